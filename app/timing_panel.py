@@ -1,0 +1,204 @@
+"""The timing panel (a dock, closed by default): live tokens/s and the per-kernel table.
+
+Opening it turns engine timing on, closing turns it off (the main window wires that to
+configure(timing=...)). The tok/s plot comes from on_stats, which every backend reports; the
+kernel table needs the Triton backend's timing, and the panel says so on the reference one.
+"""
+from __future__ import annotations
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QAbstractItemView, QDockWidget, QHeaderView, QLabel, QSplitter,
+                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from .theme import Colors
+
+MAX_POINTS = 4000
+COLUMNS = ("Kernel", "Launches / token", "\u00b5s / token", "Share", "GB/s", "% of roofline")
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "\u2013"
+    try:
+        return format(float(value), spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class TimingPanel(QDockWidget):
+    def __init__(self, colors: Colors, parent: QWidget | None = None):
+        super().__init__("Timing", parent)
+        self.setObjectName("TimingPanel")
+        self.setAllowedAreas(Qt.DockWidgetArea.RightDockWidgetArea | Qt.DockWidgetArea.BottomDockWidgetArea)
+        body = QWidget(self)
+        layout = QVBoxLayout(body)
+        layout.setContentsMargins(8, 4, 8, 8)
+        layout.setSpacing(6)
+
+        self.summary = QLabel("Generate an answer to see its speed.", body)
+        self.summary.setWordWrap(True)
+        self.note = QLabel(body)
+        self.note.setObjectName("MutedLabel")
+        self.note.setWordWrap(True)
+        self.note.hide()
+
+        self.plot = pg.PlotWidget(body)
+        self.plot.setMinimumHeight(140)
+        self.plot.setLabel("left", "decode tok/s")
+        self.plot.setLabel("bottom", "tokens generated")
+        self.plot.showGrid(x=True, y=True, alpha=0.2)
+        self.plot.setMouseEnabled(x=False, y=False)
+        self.plot.hideButtons()
+        self.curve = self.plot.plot([], [])
+
+        self.table = QTableWidget(0, len(COLUMNS), body)
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSortingEnabled(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for i in range(1, len(COLUMNS)):
+            header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        self.table.setToolTip("GPU time per generated token, by kernel: share of the step and "
+                              "achieved memory bandwidth against the measured HBM roofline")
+
+        self.bars = pg.PlotWidget(body)
+        self.bars.setMinimumHeight(120)
+        self.bars.setLabel("bottom", "\u00b5s per token")
+        self.bars.setMouseEnabled(x=False, y=False)
+        self.bars.hideButtons()
+        self.bar_item: pg.BarGraphItem | None = None
+
+        self.memory = QLabel(body)
+        self.memory.setObjectName("MutedLabel")
+
+        split = QSplitter(Qt.Orientation.Vertical, body)
+        split.addWidget(self.plot)
+        split.addWidget(self.table)
+        split.addWidget(self.bars)
+        split.setChildrenCollapsible(False)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.note)
+        layout.addWidget(split, 1)
+        layout.addWidget(self.memory)
+        self.setWidget(body)
+
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+        self.kernels: list[dict] = []
+        self.roofline: dict | None = None
+        self.triton = True
+        self.set_colors(colors)
+
+    # ---------------------------------------------------------------- state
+    def set_capabilities(self, capabilities: dict) -> None:
+        self.triton = bool(capabilities.get("triton"))
+        if self.triton:
+            self.note.hide()
+        else:
+            self.note.setText("Per-kernel timing needs the Triton backend on a CUDA GPU; this "
+                              "engine is the PyTorch reference, so only tokens/s is plotted.")
+            self.note.show()
+        self.table.setVisible(self.triton)
+        self.bars.setVisible(self.triton)
+
+    def set_colors(self, colors: Colors) -> None:
+        self.colors = colors
+        for w in (self.plot, self.bars):
+            w.setBackground(colors.surface)
+            for axis in ("left", "bottom"):
+                w.getAxis(axis).setPen(pg.mkPen(colors.muted))
+                w.getAxis(axis).setTextPen(pg.mkPen(colors.muted))
+        self.curve.setPen(pg.mkPen(colors.plot_line, width=2))
+        if self.kernels:
+            self._draw_bars()
+
+    def begin_generation(self) -> None:
+        """A new answer starts: the plot starts over."""
+        self.xs, self.ys = [], []
+        self.curve.setData([], [])
+
+    # ---------------------------------------------------------------- updates
+    def add_stats(self, stats: dict) -> None:
+        n, tok_s = stats.get("new_tokens"), stats.get("decode_tok_s")
+        if n is not None and tok_s:
+            self.xs.append(float(n))
+            self.ys.append(float(tok_s))
+            if len(self.xs) > MAX_POINTS:      # a long answer keeps the plot cheap
+                self.xs, self.ys = self.xs[::2], self.ys[::2]
+            if self.isVisible():
+                self.curve.setData(self.xs, self.ys)
+        parts = []
+        if tok_s:
+            parts.append(f"<b>{float(tok_s):,.1f}</b> tok/s")
+        if stats.get("ttft_ms"):
+            parts.append(f"TTFT {float(stats['ttft_ms']):,.0f} ms")
+        if n is not None:
+            parts.append(f"{int(n):,} tokens")
+        if stats.get("context_tokens") is not None and stats.get("max_context"):
+            parts.append(f"context {int(stats['context_tokens']):,} / {int(stats['max_context']):,}")
+        if parts:
+            self.summary.setText(" \u00b7 ".join(parts))
+        if stats.get("kernels"):
+            self.set_kernels(stats["kernels"])
+
+    def set_timings(self, info: dict) -> None:
+        """What read_timings() sent: kernels, roofline, memory."""
+        if info.get("roofline"):
+            self.roofline = dict(info["roofline"])
+        if info.get("kernels"):
+            self.set_kernels(info["kernels"])
+        mem = info.get("memory") or {}
+        if mem.get("total_bytes"):
+            gib = 1024 ** 3
+            self.memory.setText(f"GPU memory: {mem.get('allocated_bytes', 0) / gib:.2f} GiB allocated, "
+                                f"{mem.get('reserved_bytes', 0) / gib:.2f} GiB reserved of "
+                                f"{mem['total_bytes'] / gib:.1f} GiB")
+        else:
+            self.memory.setText("")
+
+    def set_kernels(self, rows: list[dict]) -> None:
+        self.kernels = sorted((dict(r) for r in rows), key=lambda r: -float(r.get("us_per_token") or 0.0))
+        roof = float(self.roofline["gb_s"]) if self.roofline and self.roofline.get("gb_s") else None
+        self.table.setRowCount(len(self.kernels))
+        for i, r in enumerate(self.kernels):
+            gb_s = r.get("gb_s")
+            share = r.get("share")
+            cells = (str(r.get("name", "?")), _fmt(r.get("launches_per_token"), ",.0f"),
+                     _fmt(r.get("us_per_token"), ",.1f"),
+                     _fmt(share * 100 if share is not None else None, ".1f") + ("%" if share is not None else ""),
+                     _fmt(gb_s, ",.0f"),
+                     _fmt(100 * float(gb_s) / roof, ".0f") + "%" if (roof and gb_s) else "\u2013")
+            for j, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if j:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(i, j, item)
+        if self.isVisible():
+            self._draw_bars()
+
+    def _draw_bars(self) -> None:
+        if self.bar_item is not None:
+            self.bars.removeItem(self.bar_item)
+            self.bar_item = None
+        rows = self.kernels[:12]
+        if not rows:
+            return
+        ys = list(range(len(rows)))
+        widths = [float(r.get("us_per_token") or 0.0) for r in rows]
+        self.bar_item = pg.BarGraphItem(x0=[0] * len(rows), y=ys, height=0.7, width=widths,
+                                        brush=QColor(self.colors.plot_line), pen=pg.mkPen(None))
+        self.bars.addItem(self.bar_item)
+        axis = self.bars.getAxis("left")
+        axis.setTicks([[(y, str(r.get("name", "?"))[:24]) for y, r in zip(ys, rows)]])
+        self.bars.getViewBox().invertY(True)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.curve.setData(self.xs, self.ys)
+        if self.kernels:
+            self._draw_bars()

@@ -1,0 +1,91 @@
+"""The interface every inference backend implements (reference PyTorch, Triton).
+
+A backend owns the weights and the state of ONE conversation (KV cache, GDN conv and recurrent
+states, current length). The generation loop (engine/generation.py) drives it:
+
+    backend.reset()                       # or keep the cache and prefill only new tokens
+    backend.prefill(ids)                  # appends ids to the state, computes last-position logits
+    backend.begin_sampling(params, history_ids)
+    tok = backend.sample()                # picks the next token from the last logits (host int)
+    while ...:
+        tok = backend.step(tok)           # decode(tok) + sample(): one token in, next token out
+
+State layouts shared by all backends (so a prefill on one path hands over to another):
+    KV cache, per full-attention layer:   k, v  [num_kv_heads, max_context, head_dim]  model dtype
+    GDN conv state, per linear layer:     [conv_dim, conv_kernel - 1]  model dtype (oldest first)
+    GDN recurrent state, per linear layer:[num_v_heads, key_head_dim, value_head_dim]  float32
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+from .api import EngineOptions, SamplingParams
+
+
+class Backend(ABC):
+    name: str = "?"
+    options: EngineOptions
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens currently held in the state (the next token's position)."""
+
+    @property
+    def max_context(self) -> int:
+        return self.options.max_context
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget the conversation: length 0, states zero."""
+
+    @abstractmethod
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Append ids (positions length..length+T-1) and compute the logits of the last one."""
+
+    @abstractmethod
+    def decode(self, token_id: int) -> None:
+        """Append one token and compute its logits."""
+
+    @abstractmethod
+    def logits(self):
+        """float32 logits [vocab_size] of the last position (padded rows included)."""
+
+    @abstractmethod
+    def begin_sampling(self, params: SamplingParams, history_ids: Sequence[int]) -> None:
+        """Set the sampler for the next sample()/step() calls (penalties see history_ids)."""
+
+    @abstractmethod
+    def sample(self) -> int:
+        """Choose the next token from the last logits; updates penalty counts."""
+
+    def step(self, token_id: int) -> int:
+        """decode(token_id) then sample(); a backend may fuse both (CUDA graph)."""
+        self.decode(token_id)
+        return self.sample()
+
+    # --- multi-turn snapshots (GDN states cannot rewind, so they are copied) ---
+    def snapshot(self):
+        """An opaque copy of the state that restore() brings back."""
+        raise NotImplementedError
+
+    def restore(self, snap) -> None:
+        raise NotImplementedError
+
+    # --- switches and measurement (Triton backend; the reference has none) ---
+    def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
+                  timing: Optional[bool] = None) -> None:
+        """Apply run-time switches; call on the thread that owns the backend."""
+
+    def kernel_timings(self) -> Optional[list[dict]]:
+        """Per-kernel table of the last timed steps, or None when timing is off / unsupported.
+        Rows: {name, launches_per_token, us_per_token, share, gb_s}."""
+        return None
+
+    def memory_info(self) -> dict:
+        """{'allocated_bytes':..., 'reserved_bytes':..., 'total_bytes':...} on GPU; {} on CPU."""
+        return {}
+
+    def close(self) -> None:
+        """Free device memory."""

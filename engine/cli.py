@@ -1,0 +1,328 @@
+"""`tritonchat` command line: generate, chat, bench, install-desktop; no sub-command opens the app.
+
+Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import traceback
+from typing import Optional
+
+from .errors import TritonChatError
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(TritonChatError):
+    pass
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder or hub id (default Qwen/Qwen3.5-0.8B)")
+    p.add_argument("--backend", choices=["reference", "triton"], default=None,
+                   help="inference backend (default: triton on CUDA, else reference)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--context", type=int, default=None, help="max context in tokens (default 32768)")
+    p.add_argument("--split-k", choices=["on", "off"], default="on", help="split-K GEMV (Triton backend)")
+    p.add_argument("--graph", choices=["on", "off"], default="on", help="CUDA Graph decode (Triton backend)")
+    p.add_argument("--offline", action="store_true", help="never download; use the cache or --model DIR")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tritonchat", description=__doc__.splitlines()[0])
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    ap.add_argument("--model", dest="app_model", default=None, help="(app) model folder or hub id")
+    sub = ap.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="generate a continuation of a prompt")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (raw, or the user message with --chat)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, fed verbatim")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    g.add_argument("--system", default=None, help="system prompt (with --chat)")
+    g.add_argument("--thinking", action="store_true", help="enable thinking (with --chat)")
+    _add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    g.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    c = sub.add_parser("chat", help="chat in the terminal")
+    _add_model_args(c)
+    c.add_argument("--system", default=None)
+    c.add_argument("--thinking", action="store_true")
+    _add_sampling_args(c)
+    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    b = sub.add_parser("bench", help="measure decode speed against the HBM roofline")
+    b.add_argument("--model", default=None, help="model folder (default: --random-weights)")
+    b.add_argument("--random-weights", action="store_true", help="true 0.8B shape, random values")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--new-tokens", type=int, default=512)
+    b.add_argument("--split-k", choices=["on", "off"], default="on")
+    b.add_argument("--graph", choices=["on", "off"], default="on")
+    b.add_argument("--context", type=int, default=None)
+    b.add_argument("--compare", action="store_true",
+                   help="split-K x graph matrix, transformers eager, long-context decode")
+    b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    b.add_argument("--backend", choices=["reference", "triton"], default="triton")
+    b.add_argument("--device", default=None)
+    b.add_argument("--prefill-lens", default=None, help="comma-separated prompt lengths for the TTFT table")
+    b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    d = sub.add_parser("install-desktop", help="install the .desktop file and icons for this user")
+    d.add_argument("--uninstall", action="store_true")
+    d.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+# ---------------------------------------------------------------------------- helpers ----
+
+def _options(args, context_default: int = 32768):
+    from .loader import default_options
+    ctx = args.context if args.context is not None else context_default
+    if ctx < 2:
+        raise UsageError("--context must be at least 2 tokens.")
+    return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
+                           split_k=args.split_k == "on", graph=args.graph == "on")
+
+
+def _model_dir(model: Optional[str], offline: bool):
+    from . import hub
+    return hub.resolve_model(model or hub.DEFAULT_MODEL, offline=offline, progress=hub.cli_progress_printer())
+
+
+def _sampling(args, defaults):
+    from dataclasses import replace
+    p = replace(defaults)
+    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "seed"):
+        v = getattr(args, name)
+        if v is not None:
+            setattr(p, name, v)
+    if args.greedy:
+        p.greedy = True
+    if p.temperature < 0:
+        raise UsageError("--temperature must be >= 0.")
+    if not 0.0 < p.top_p <= 1.0:
+        raise UsageError("--top-p must be in (0, 1].")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise UsageError("--min-p must be in [0, 1].")
+    if p.top_k < 0:
+        raise UsageError("--top-k must be >= 0 (0 = off).")
+    if p.repetition_penalty <= 0:
+        raise UsageError("--repetition-penalty must be > 0.")
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1.")
+    return p
+
+
+def _parse_ids(text: str, vocab: int) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError("--prompt-ids must be comma-separated integers, e.g. 1,2,3.") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty.")
+    bad = [i for i in ids if i < 0 or i >= vocab]
+    if bad:
+        raise UsageError(f"--prompt-ids holds {bad[0]}, outside the vocabulary (0..{vocab - 1}).")
+    return ids
+
+
+# --------------------------------------------------------------------------- commands ----
+
+def cmd_generate(args) -> int:
+    from .generation import Generator
+    from .session import ChatSession
+
+    model_dir = _model_dir(args.model, args.offline)
+    session = ChatSession.load(model_dir, _options(args))
+    tok = session.tokenizer
+    params = _sampling(args, session.generation_defaults)
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids, session.backend.cfg.vocab_size)
+    elif args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        prompt = tok.encode_chat(messages, add_generation_prompt=True, enable_thinking=args.thinking)
+    else:
+        prompt = tok.encode(args.prompt)
+        if not prompt:
+            raise UsageError("--prompt is empty.")
+    decoder = tok.stream_decoder()
+    stream = not args.json
+
+    def on_token(t: int) -> None:
+        if stream:
+            sys.stdout.write(decoder.push(t))
+            sys.stdout.flush()
+
+    gen = Generator(session.backend, tok.stop_ids)
+    result = gen.generate(prompt, params, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+                          on_token=on_token)
+    result.text = tok.decode(result.token_ids)
+    if stream:
+        sys.stdout.write(decoder.flush() + "\n")
+    s = result.stats
+    print(f"[{s.prompt_tokens} prompt tokens, {s.new_tokens} new; TTFT {s.ttft_ms:.1f} ms, "
+          f"prefill {s.prefill_tok_s:.1f} tok/s, decode {s.decode_tok_s:.1f} tok/s; stop: {s.stop_reason}; "
+          f"{session.backend.name} {session.options.device} {session.options.dtype}]", file=sys.stderr)
+    if args.json:
+        d = result.to_dict()
+        d.update(backend=session.backend.name, device=session.options.device, dtype=session.options.dtype)
+        print(json.dumps(d, ensure_ascii=False))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .session import ChatSession
+
+    model_dir = _model_dir(args.model, args.offline)
+    print(f"Loading {model_dir} ...", file=sys.stderr)
+    session = ChatSession.load(model_dir, _options(args))
+    params = _sampling(args, session.generation_defaults)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("Type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("\n> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/quit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            session.reset()
+            continue
+        messages.append({"role": "user", "content": line})
+        stop = threading.Event()
+        state = {"thinking": False}
+
+        def on_text(th: str, an: str) -> None:
+            if th:
+                if not state["thinking"]:
+                    sys.stdout.write("\x1b[2m[thinking] ")
+                    state["thinking"] = True
+                sys.stdout.write(th)
+            if an:
+                if state["thinking"]:
+                    sys.stdout.write("\x1b[0m\n")
+                    state["thinking"] = False
+                sys.stdout.write(an)
+            sys.stdout.flush()
+
+        try:
+            reply = session.generate(messages, params, max_new_tokens=args.max_new_tokens,
+                                     enable_thinking=args.thinking, stop_event=stop, on_text=on_text,
+                                     ignore_eos=args.ignore_eos)
+        except KeyboardInterrupt:
+            stop.set()
+            print("\n[stopped]")
+            messages.pop()
+            session.reset()
+            continue
+        except TritonChatError as e:
+            print(f"\n{e}", file=sys.stderr)
+            messages.pop()
+            continue
+        if state["thinking"]:
+            sys.stdout.write("\x1b[0m")
+        s = reply.result.stats
+        print(f"\n\x1b[2m[{s.new_tokens} tokens, TTFT {s.ttft_ms:.0f} ms, {s.decode_tok_s:.1f} tok/s, "
+              f"{s.stop_reason}]\x1b[0m", file=sys.stderr)
+        msg = {"role": "assistant", "content": reply.answer}
+        if reply.thinking:
+            msg["reasoning_content"] = reply.thinking
+        messages.append(msg)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    return run_bench(args)
+
+
+def cmd_install_desktop(args) -> int:
+    from tritonchat.app.desktop_install import install, uninstall
+    if args.uninstall:
+        uninstall()
+        print("Removed the tritonchat desktop entry.")
+    else:
+        for p in install():
+            print(p)
+    return 0
+
+
+def cmd_app(args) -> int:
+    try:
+        from tritonchat.app.main import main as app_main
+    except ImportError as e:
+        raise TritonChatError(f"The desktop app cannot start: {e}. Install PySide6 (pip install PySide6).") from e
+    argv = ["--model", args.app_model] if args.app_model else []
+    return app_main(argv)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
+            "install-desktop": cmd_install_desktop, None: cmd_app}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("TRITONCHAT_DEBUG") == "1"
+    try:
+        return COMMANDS[args.command](args)
+    except TritonChatError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"tritonchat: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("tritonchat: interrupted.", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected failure: one line, the traceback only with --debug
+        if debug:
+            traceback.print_exc()
+        first = (str(e).splitlines() or [""])[0][:200]
+        hint = _hint(e)
+        print(f"tritonchat: {hint or f'internal error ({type(e).__name__}: {first})'}; rerun with --debug for details.",
+              file=sys.stderr)
+        return 1
+
+
+def _hint(e: Exception) -> str:
+    msg = str(e)
+    if "out of memory" in msg.lower():
+        return "the GPU ran out of memory (try a shorter --context)"
+    if "Failed to find C compiler" in msg or "Python.h" in msg:
+        return "Triton cannot compile its kernels: install a C compiler and the Python headers (e.g. gcc, python3-dev)"
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

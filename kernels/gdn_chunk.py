@@ -1,0 +1,275 @@
+"""Gated DeltaNet prefill: the chunked WY form of the gated delta rule (spec sections 6-7).
+
+Per value head, tokens split into chunks of C rows; inside a chunk (rows r, all in fp32):
+
+    gamma_r = sum_{s<=r} g_s                       in-chunk cumulative log-decay (restarts per chunk)
+    L_ij    = beta_i (k_i . k_j) exp(gamma_i - gamma_j)      i > j   (strictly lower, C x C)
+    Tinv    = (I + L)^-1                           unit lower triangular
+    W       = Tinv diag(beta exp(gamma)) K         U = Tinv diag(beta) V
+    Vn      = U - W S0                             the true per-token deltas ("v_new")
+    O       = diag(exp(gamma)) Q S0 + ((Q K^T) * exp(gamma_i - gamma_j) * [i >= j]) Vn
+    S0     <- exp(gamma_last) S0 + (diag(exp(gamma_last - gamma)) K)^T Vn
+
+Only differences gamma_i - gamma_j (i >= j) and gamma itself (<= 0) are exponentiated, so nothing
+overflows however strong the decay. Padded rows of the last chunk get beta = 0, g = 0, k = v = 0:
+their rows of L, W, U, Vn are zero, so they never touch the state.
+
+Three launches:
+  1. prepare  (chunks x heads, parallel): l2norm, gates, gamma, L, blocked inverse, W, U, decayed K
+  2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
+  3. output   (chunks x heads, parallel): O, then the gated RMSNorm into `out`
+Intermediates (W, U, decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA
+does; the state and every accumulation stay fp32. Scratch is allocated here; `out` and `state`
+come from the caller.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
+L2NORM_EPS = 1e-6
+_L2NORM_EPS = tl.constexpr(L2NORM_EPS)
+# Forward substitution works on diagonal blocks of this many rows (tl.dot's minimum tile).
+SUB_BLOCK = 16
+
+
+@triton.jit
+def _l2norm_rows(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + _L2NORM_EPS)[:, None]
+
+
+@triton.jit
+def _gdn_chunk_prepare_kernel(
+        qkv_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr,
+        gam_ptr, w_ptr, u_ptr, kd_ptr,
+        T, T_pad, stride_qkv, stride_b, stride_a,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr):
+    i_t = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    act = w_ptr.dtype.element_ty
+
+    rows = i_t * CHUNK + tl.arange(0, CHUNK)
+    valid = rows < T
+    offs_k = tl.arange(0, DKP)
+    offs_v = tl.arange(0, DVP)
+    row_ptr = qkv_ptr + rows.to(tl.int64)[:, None] * stride_qkv
+    k = tl.load(row_ptr + (HK * DK + hk * DK) + offs_k[None, :],
+                mask=valid[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
+    v = tl.load(row_ptr + (2 * HK * DK + h * DV) + offs_v[None, :],
+                mask=valid[:, None] & (offs_v < DV)[None, :], other=0.0).to(tl.float32)
+    k = _l2norm_rows(k)
+
+    # gates: beta = sigmoid(b) rounded like HF keeps it; g = -exp(A_log) softplus(a + dt_bias)
+    b = tl.load(b_ptr + rows.to(tl.int64) * stride_b + h, mask=valid, other=0.0)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    beta = tl.where(valid, beta, 0.0)
+    a = tl.load(a_ptr + rows.to(tl.int64) * stride_a + h, mask=valid, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    g = tl.where(valid, g, 0.0)
+    gam = tl.cumsum(g, axis=0)
+    gam_last = tl.sum(g, axis=0)
+    head_rows = h.to(tl.int64) * T_pad + rows
+    tl.store(gam_ptr + head_rows, gam)
+
+    # L (strictly lower); the keys enter the dot rounded to the activation dtype, as in FLA
+    kq = k.to(act)
+    kk = tl.dot(kq, tl.trans(kq))
+    r = tl.arange(0, CHUNK)[:, None]
+    c = tl.arange(0, CHUNK)[None, :]
+    lower = r > c
+    L = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+
+    # Xd = (I + Ld)^-1 for the block-diagonal part Ld (BC x BC blocks), by forward substitution
+    # on all diagonal blocks at once: step i solves row i of every block,
+    #     X[tr, :] = e_tr - Ld[tr, :] X      with tr = block_start + i (earlier rows final).
+    same_block = (r // BC) == (c // BC)
+    LdT = tl.trans(tl.where(same_block, L, 0.0))                 # LdT[m, tr] = Ld[tr, m]
+    eye = tl.where(r == c, 1.0, 0.0)
+    X = eye
+    for i in tl.static_range(1, BC):
+        # a[m] = Ld[tr(m), m]: the row being solved in m's block, laid out along axis 0
+        a_row = tl.sum(tl.where(c == (r // BC) * BC + i, LdT, 0.0), axis=1)
+        y = tl.sum(a_row[:, None] * X, axis=0)                   # (Ld X)[tr(col), col]
+        X = tl.where(r == (c // BC) * BC + i, eye - y[None, :], X)
+
+    # Merge the blocks: I + L = (I + Ld)(I + N) with N = Xd Lo strictly block-lower, so
+    # N^(C/BC) = 0 and (I + L)^-1 = sum_m (-N)^m Xd, evaluated by Horner: Z <- Xd - N Z.
+    N = tl.dot(X, tl.where((r // BC) > (c // BC), L, 0.0))
+    Tinv = X
+    for _ in tl.static_range(CHUNK // BC - 1):
+        Tinv = X - tl.dot(N, Tinv)
+
+    decay = tl.exp(gam)                                           # <= 1
+    w = tl.dot(Tinv, k * (beta * decay)[:, None])
+    u = tl.dot(Tinv, v * beta[:, None])
+    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
+
+    tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
+    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
+    tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
+
+
+@triton.jit
+def _gdn_chunk_state_kernel(
+        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
+        NT, T_pad,
+        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+        CHUNK: tl.constexpr, BV: tl.constexpr):
+    # The one sequential loop: carry S (fp32, DKP x BV slice of one head) across chunks.
+    i_v = tl.program_id(0)
+    h = tl.program_id(1)
+    act = w_ptr.dtype.element_ty
+    offs_k = tl.arange(0, DKP)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_c = tl.arange(0, CHUNK)
+
+    s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    s_mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+
+    for i_t in range(0, NT):
+        rows = h.to(tl.int64) * T_pad + i_t * CHUNK + offs_c
+        tl.store(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :],
+                 S.to(act))
+        w = tl.load(w_ptr + rows[:, None] * DKP + offs_k[None, :])
+        u = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])
+        vn = (u.to(tl.float32) - tl.dot(w, S.to(act))).to(act)
+        tl.store(vn_ptr + rows[:, None] * DVP + offs_v[None, :], vn)
+        kd = tl.load(kd_ptr + rows[:, None] * DKP + offs_k[None, :])
+        decay_last = tl.exp(tl.load(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1))
+        S = S * decay_last + tl.dot(tl.trans(kd), vn)
+
+    tl.store(s_ptrs, S, mask=s_mask)
+
+
+@triton.jit
+def _gdn_chunk_output_kernel(
+        qkv_ptr, z_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
+        T, T_pad, NT, stride_qkv, stride_z, stride_o, scale, eps,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr):
+    i_t = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    act = vn_ptr.dtype.element_ty
+
+    rows = i_t * CHUNK + tl.arange(0, CHUNK)
+    valid = rows < T
+    offs_k = tl.arange(0, DKP)
+    offs_v = tl.arange(0, DVP)
+    mask_k = valid[:, None] & (offs_k < DK)[None, :]
+    row_ptr = qkv_ptr + rows.to(tl.int64)[:, None] * stride_qkv
+    q = tl.load(row_ptr + hk * DK + offs_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(row_ptr + (HK * DK + hk * DK) + offs_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    q = _l2norm_rows(q) * scale
+    k = _l2norm_rows(k)
+
+    head_rows = h.to(tl.int64) * T_pad + rows
+    gam = tl.load(gam_ptr + head_rows)
+    S0 = tl.load(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :])
+    vn = tl.load(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :])
+
+    # inter-chunk part: decayed queries read the state at the chunk start
+    o = tl.dot((q * tl.exp(gam)[:, None]).to(act), S0)
+    # intra-chunk part: causal (diagonal included) decayed scores times the true deltas
+    r = tl.arange(0, CHUNK)[:, None]
+    c = tl.arange(0, CHUNK)[None, :]
+    causal = r >= c
+    A = tl.dot(q.to(act), tl.trans(k.to(act)))
+    A = tl.where(causal, A * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    o = tl.dot(A.to(act), vn, o)
+
+    # gated RMSNorm per head: norm in fp32, round, * w, * silu(z) in fp32, round (spec 3b)
+    o = o.to(act).to(tl.float32)                                 # the core output is stored in the dtype
+    n = o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]
+    n = n.to(act).to(tl.float32)
+    mask_v = valid[:, None] & (offs_v < DV)[None, :]
+    z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_z + h * DV + offs_v[None, :],
+                mask=mask_v, other=0.0).to(tl.float32)
+    nw = tl.load(norm_w_ptr + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
+    y = (nw[None, :] * n) * (z * tl.sigmoid(z))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + h * DV + offs_v[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
+    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
+        raise ValueError(f"{name} must have shape [{rows}, {cols}], got {tuple(t.shape)}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+
+def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
+                head_k_dim: int, head_v_dim: int, eps: float, chunk: int = 64) -> torch.Tensor:
+    """GDN core + gated RMSNorm for T prompt tokens, continuing from `state` (updated in place).
+
+    qkv_conv [T, 2*Hk*dk + Hv*dv] (conv+SiLU output, [q | k | v]), z [T, Hv*dv], b, a [T, Hv]
+    (rows may be strided views), A_log [Hv], dt_bias [Hv], norm_w [dv], state fp32
+    [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller). Value head h uses key
+    head h // (Hv // Hk). Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the
+    activation dtype is allocated per call. Returns out.
+    """
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    if min(hk, hv, dk, dv) <= 0 or hv % hk:
+        raise ValueError("need num_v_heads a positive multiple of num_k_heads and positive dims")
+    if chunk not in (16, 32, 64):
+        raise ValueError("chunk must be 16, 32 or 64")
+    if qkv_conv.dim() != 2:
+        raise ValueError("qkv_conv must be [T, conv_dim]")
+    T = qkv_conv.shape[0]
+    act = qkv_conv.dtype
+    if act not in _DTYPES:
+        raise TypeError(f"gdn_prefill supports {_DTYPES}, got {act}")
+    _check_2d("qkv_conv", qkv_conv, T, 2 * hk * dk + hv * dv)
+    _check_2d("z", z, T, hv * dv)
+    _check_2d("b", b, T, hv)
+    _check_2d("a", a, T, hv)
+    _check_2d("out", out, T, hv * dv)
+    if z.dtype != act or out.dtype != act:
+        raise TypeError("z and out must have qkv_conv's dtype")
+    if tuple(state.shape) != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be contiguous float32 [{hv}, {dk}, {dv}]")
+    for name, t, n in (("A_log", A_log, hv), ("dt_bias", dt_bias, hv), ("norm_w", norm_w, dv)):
+        if t.dim() != 1 or t.shape[0] != n or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous vector of {n}")
+    if T == 0:
+        return out
+
+    dkp = max(16, triton.next_power_of_2(dk))
+    dvp = max(16, triton.next_power_of_2(dv))
+    nt = triton.cdiv(T, chunk)
+    t_pad = nt * chunk
+    dev = qkv_conv.device
+    gam = torch.empty(hv, t_pad, dtype=torch.float32, device=dev)
+    w_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
+    kd_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
+    u_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
+    vn_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
+    h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
+
+    wide = max(dkp, dvp) >= 128
+    _gdn_chunk_prepare_kernel[(nt, hv)](
+        qkv_conv, b, a, A_log, dt_bias, gam, w_buf, u_buf, kd_buf,
+        T, t_pad, qkv_conv.stride(0), b.stride(0), a.stride(0),
+        HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BC=SUB_BLOCK,
+        num_warps=8 if wide else 4)
+    # Sequential over chunks, so spread heads x V-tiles as wide as tl.dot allows (N >= 16).
+    bv = min(32, dvp)
+    _gdn_chunk_state_kernel[(dvp // bv, hv)](
+        w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
+        DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, num_warps=4, num_stages=2)
+    _gdn_chunk_output_kernel[(nt, hv)](
+        qkv_conv, z, gam, vn_buf, h_buf, norm_w, out,
+        T, t_pad, nt, qkv_conv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
+        HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk,
+        num_warps=8 if wide else 4)
+    return out
