@@ -4,6 +4,8 @@ It also carries the Send/Stop button and the context meter (tokens used / contex
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar,

@@ -6,6 +6,8 @@ so the GUI does a bounded amount of work however fast tokens arrive.
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 import time
 
 from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal

@@ -1,6 +1,8 @@
 """The sidebar: New chat, search, and the list of conversations (newest first)."""
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 import time
 
 from PySide6.QtCore import Qt, QTimer, Signal

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import errno
 import html
+import re
 import importlib
 import shutil
 import socket
 import threading
+import urllib.error
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from PySide6.QtWidgets import (QDialog, QFileDialog, QHBoxLayout, QLabel, QProgr
                                QPushButton, QSizePolicy, QVBoxLayout)
 
 from tritonchat.app.errors import describe_exception
+from tritonchat.engine.errors import DownloadError
 
 POLL_MS = 200
 _BAR_STEPS = 1000          # QProgressBar takes int; byte counts past 2 GiB would overflow it
@@ -60,6 +63,11 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
+# engine.hub words its DownloadError sentences "Could not download X (no network); ...".
+_NETWORK_WORDS = re.compile(r"\bno network\b|connection (stalled|dropped)|"
+                            r"could not be reached|cannot be reached", re.I)
+
+
 def is_network_error(exc: BaseException) -> bool:
     """True when ``exc`` or what it was raised from says the hub could not be reached."""
     seen: set[int] = set()
@@ -69,6 +77,10 @@ def is_network_error(exc: BaseException) -> bool:
         if names & _NETWORK_TYPES or isinstance(exc, (socket.gaierror, socket.timeout)):
             return True
         if isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS:
+            return True
+        if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+            return True                       # DNS, refused, unreachable: no HTTP answer at all
+        if isinstance(exc, DownloadError) and _NETWORK_WORDS.search(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -169,8 +181,15 @@ class DownloadDialog(QDialog):
         label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         return label
 
-    def _cache_dir(self) -> Path:
-        return Path(self.cache_dir) if self.cache_dir is not None else _hub().model_cache_dir()
+    def _manual_dir(self) -> Path:
+        """Where files copied by hand are picked up: the hub's manual snapshot, else the cache."""
+        hub = _hub()
+        cache = Path(self.cache_dir) if self.cache_dir is not None else hub.model_cache_dir()
+        for name in ("manual_model_dir", "_manual_dir"):
+            fn = getattr(hub, name, None)
+            if callable(fn):
+                return Path(fn(self.repo_id, cache))
+        return cache
 
     def _show_notice(self, text: str, kind: str = "info") -> None:
         colour = {"info": "palette(window-text)", "warn": "#b26a00", "error": "#b3261e"}[kind]
@@ -245,18 +264,21 @@ class DownloadDialog(QDialog):
         self.progress.hide()
         self.rate_label.clear()
         try:
-            cache = str(self._cache_dir())
+            manual = str(self._manual_dir())
         except Exception:                             # noqa: BLE001 - hub unusable: no cache path
-            cache = "the Hugging Face cache folder"
+            manual = ""
+        folder = f"the folder {manual}" if manual else "the Hugging Face cache folder"
         where = (f"start `tritonchat --model DIR` with a folder holding the model's files, or put "
-                 f"them in the cache folder {cache}")
+                 f"them in {folder}")
+        sentence, details = describe_exception(exc)
         if is_network_error(exc):
             self.info_label.setText(
                 f"There is no network connection to Hugging Face, so {self.repo_id} cannot be "
                 f"downloaded now: connect and press Try again, or {where}.")
-            details = describe_exception(exc)[1]
+        elif manual and manual in sentence:           # the hub's sentence already says where
+            self.info_label.setText(f"{sentence} You can also start `tritonchat --model DIR` "
+                                    "with a folder holding the model's files.")
         else:
-            sentence, details = describe_exception(exc)
             self.info_label.setText(f"{sentence} To use the model without downloading, {where}.")
         self.dest_label.clear()
         self.notice_label.setToolTip(details)

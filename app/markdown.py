@@ -52,6 +52,7 @@ _QUOTE = re.compile(r"^ {0,3}> ?(.*)$")
 _ITEM = re.compile(r"^( *)([-*+]|\d{1,9}[.)])([ \t]+|$)(.*)$")
 _TABLE_SEP = re.compile(r"^ *\|? *:?-+:? *(?:\| *:?-+:? *)*\|? *$")
 _TASK = re.compile(r"^\[([ xX])\][ \t]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")   # invisible; Qt may draw boxes
 
 
 class _Renderer:
@@ -272,15 +273,16 @@ class _Renderer:
         text = text.replace("\x00", "")
 
         def code_span(m: re.Match) -> str:
-            body = m.group(2)
+            body = m.group(3)
             if body.startswith(" ") and body.endswith(" ") and body.strip():
                 body = body[1:-1]
             return hold(f'<code style="font-family:\'{s.mono_family}\'; background-color:{s.inline_code_bg};">'
                         f"{html.escape(body, quote=False)}</code>")
 
-        text = re.sub(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", code_span, text)
-        text = re.sub(r"\\([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~])",
-                      lambda m: hold(html.escape(m.group(1))), text)
+        # one left-to-right pass: a backslash-escaped backtick opens no code span, and
+        # backslashes inside a code span stay literal
+        text = re.sub(r"\\([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~])|(?<!`)(`+)(?!`)(.+?)(?<!`)\2(?!`)",
+                      lambda m: hold(html.escape(m.group(1))) if m.group(1) else code_span(m), text)
 
         def link(m: re.Match) -> str:
             image, label, url = m.group(1), m.group(2), m.group(3).strip().split(" ")[0].strip("<>")
@@ -324,13 +326,14 @@ class _Renderer:
 def render_markdown(text: str, style: RenderStyle | None = None) -> Rendered:
     """Render a (possibly half-streamed) markdown answer to Qt rich-text HTML."""
     r = _Renderer(style or RenderStyle())
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").expandtabs(4).split("\n")
+    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    lines = text.expandtabs(4).split("\n")
     body = r.blocks(lines)
     return Rendered(html=body, code_blocks=r.code_blocks)
 
 
 def render_plain(text: str) -> str:
     """User messages: shown as typed (escaped, line breaks kept), no markdown."""
-    escaped = html.escape(text, quote=False).replace("\n", "<br/>")
+    escaped = html.escape(_CONTROL.sub("", text), quote=False).replace("\n", "<br/>")
     # keep runs of spaces visible without turning the message into <pre>
     return re.sub(r"  ", " &nbsp;", escaped)

@@ -6,6 +6,8 @@ just forgets them.
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 from dataclasses import dataclass, field, fields, replace
 
 from PySide6.QtCore import QSettings

@@ -5,6 +5,8 @@ through the worker's configure / set_max_context, without a restart).
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 from dataclasses import replace
 
 from PySide6.QtCore import Qt

@@ -1,6 +1,8 @@
 """Light / dark / system themes: one palette of named colours, applied to Qt and to the HTML."""
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import Qt

@@ -6,6 +6,8 @@ kernel table needs the Triton backend's timing, and the panel says so on the ref
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor

@@ -11,6 +11,8 @@ appears before torch has finished importing and the GUI thread never touches CUD
 """
 from __future__ import annotations
 
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -88,6 +90,7 @@ class EngineWorker(QObject):
         super().__init__()
         self._loader = loader or _default_loader
         self.session: Any = None
+        self.model_dir = ""
 
     # ------------------------------------------------------------------ load
     @Slot(str, object)
@@ -97,6 +100,7 @@ class EngineWorker(QObject):
         if self.session is not None:
             self.session.close()
             self.session = None
+        self.model_dir = model_dir
         try:
             options = default_options(**{k: settings[k] for k in ("backend", "device", "dtype")
                                          if settings.get(k)})
@@ -172,11 +176,32 @@ class EngineWorker(QObject):
             switches = {k: changes[k] for k in ("split_k", "graph", "timing") if k in changes}
             if switches:
                 self.session.configure(**switches)
-            if changes.get("max_context"):
-                self.session.set_max_context(int(changes["max_context"]))
+            n = changes.get("max_context")
+            if n and int(n) != self.session.options.max_context:
+                try:
+                    self.session.set_max_context(int(n))
+                except (ValueError, NotImplementedError, AttributeError):
+                    # this backend cannot resize its cache in place: build it again
+                    self._reload(max_context=int(n))
+                    return
         except Exception as exc:
             self.configureFailed.emit(*describe(exc))
-        self.configured.emit(self.session.options.to_dict())
+        if self.session is not None:
+            self.configured.emit(self.session.options.to_dict())
+
+    def _reload(self, **option_changes) -> None:
+        options = EngineOptions(**self.session.options.to_dict())
+        for key, value in option_changes.items():
+            setattr(options, key, value)
+        self.session.close()
+        self.session = None
+        progress = lambda stage, fraction: self.loadProgress.emit(str(stage), float(fraction))
+        try:
+            self.session = self._loader(self.model_dir, options, progress)
+        except Exception as exc:
+            self.loadFailed.emit(*describe(exc), error_kind(exc))
+            return
+        self.loaded.emit(self._info(self.model_dir))
 
     @Slot()
     def read_timings(self) -> None:

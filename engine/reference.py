@@ -154,6 +154,11 @@ class ReferenceModel:
     def forward(self, ids: torch.Tensor, start: int, state: "ModelState") -> torch.Tensor:
         """Run tokens ids [T] at positions start.. through the model, updating `state`.
         Returns the final-norm hidden state of the last position [D]."""
+        h = self.forward_hidden(ids, start, state)
+        return rms_norm(h[None], self.w["norm.weight"], self.cfg.rms_norm_eps)[0]
+
+    def forward_hidden(self, ids: torch.Tensor, start: int, state: "ModelState") -> torch.Tensor:
+        """Like forward() but returns the last position's residual stream before the final norm."""
         c, w = self.cfg, self.w
         h = w["embed_tokens.weight"][ids]
         for i, kind in enumerate(c.layer_types):
@@ -166,7 +171,7 @@ class ReferenceModel:
             h = h + u
             u = rms_norm(h, w[f"layers.{i}.post_attention_layernorm.weight"], c.rms_norm_eps)
             h = h + self.mlp(i, u)
-        return rms_norm(h[-1:], w["norm.weight"], c.rms_norm_eps)[0]
+        return h[-1]
 
     def lm_head(self, h_last: torch.Tensor) -> torch.Tensor:
         return (h_last @ self.w["lm_head.weight"].t()).float()

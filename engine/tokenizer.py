@@ -131,10 +131,10 @@ class ChatTokenizer:
                  template_source: Optional[str] = None,
                  template_tokens: Optional[Mapping[str, Optional[str]]] = None,
                  source: str = "tokenizer"):
+        # The one tokenizer never matches special tokens in text by itself: encode() and
+        # encode_chat() cut special tokens out first where they are allowed (see the module doc).
         self._tok = tokenizer
-        # Same tokenizer with special-token matching off, for user text (see the module doc).
-        self._plain = Tokenizer.from_str(tokenizer.to_str())
-        self._plain.encode_special_tokens = True
+        self._tok.encode_special_tokens = True
         self._source = source
         self.generation_config: dict = dict(generation_config or {})
         self._template_source = template_source
@@ -143,8 +143,10 @@ class ChatTokenizer:
         added = tokenizer.get_added_tokens_decoder()
         self._added: dict[str, int] = {tok.content: i for i, tok in added.items()}
         self._special_texts = [tok.content for _, tok in sorted(added.items()) if tok.special]
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
-        self.vocab_size: int = max(vocab.values()) + 1 if vocab else 0
+        # Ids run 0..n-1 over the model vocab, then the added tokens (get_vocab() would build a
+        # 248k-entry dict just to take its max).
+        self.vocab_size: int = max([tokenizer.get_vocab_size(with_added_tokens=True)]
+                                   + [i + 1 for i in added])
 
         eos = tokenizer.token_to_id(eos_token)
         if eos is None:
@@ -243,8 +245,27 @@ class ChatTokenizer:
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         """Ids of `text`. Special-token text is plain characters unless allow_special is set."""
-        tok = self._tok if allow_special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
+        if not allow_special or self._special_re is None:
+            return self._encode_plain(text)
+        return self._encode_pieces(text, restore=False)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_pieces(self, text: str, *, restore: bool) -> list[int]:
+        """Special tokens in `text` become their ids, the text between them is encoded plainly.
+
+        This is what tokenizers does when it matches special tokens itself: it cuts the text at
+        added tokens and pre-tokenises each stretch separately.
+        """
+        ids: list[int] = []
+        # re.split with one capture group alternates: text, special, text, ..., text.
+        for k, part in enumerate(self._special_re.split(text)):
+            if k % 2:
+                ids.append(self._added[part])
+            elif part:
+                ids.extend(self._encode_plain(self._restore(part) if restore else part))
+        return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -276,15 +297,8 @@ class ChatTokenizer:
         neutral = [self._neutralise_message(m) for m in messages]
         text = self._render(neutral, add_generation_prompt, enable_thinking, tools)
         if self._special_re is None:
-            return self._plain.encode(self._restore(text), add_special_tokens=False).ids
-        ids: list[int] = []
-        # re.split with one capture group alternates: text, special, text, special, ..., text.
-        for k, part in enumerate(self._special_re.split(text)):
-            if k % 2:
-                ids.append(self._added[part])
-            elif part:
-                ids.extend(self._plain.encode(self._restore(part), add_special_tokens=False).ids)
-        return ids
+            return self._encode_plain(self._restore(text))
+        return self._encode_pieces(text, restore=True)
 
     def opens_thinking(self, enable_thinking: bool) -> bool:
         """Does the generation prompt leave a think block open (end in `<think>\\n`)?"""

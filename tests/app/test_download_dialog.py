@@ -400,6 +400,13 @@ def test_offline_says_no_network_and_where_to_put_files(qtbot, fake):
     assert dlg.download_button.isVisible()
 
 
+def test_hub_worded_offline_error_without_a_cause(qtbot, fake):
+    # engine.hub raises its DownloadError `from None`: only the wording says "no network".
+    fake.plan_error = DownloadError(f"Could not download {REPO} (no network); try again later.")
+    dlg = open_dialog(qtbot, state="failed")
+    assert dlg.info_label.text().startswith("There is no network connection to Hugging Face")
+
+
 def test_other_plan_failure_shows_its_sentence(qtbot, fake):
     fake.plan_error = DownloadError("The revision nope does not exist on the hub.")
     dlg = open_dialog(qtbot, state="failed")
@@ -442,27 +449,92 @@ def test_is_network_error():
     assert dd.is_network_error(wrapped)
     assert not dd.is_network_error(DownloadError("The revision does not exist."))
     assert not dd.is_network_error(FileNotFoundError(2, "No such file"))
+    import urllib.error
+    assert dd.is_network_error(urllib.error.URLError(OSError("unreachable")))
+    assert not dd.is_network_error(
+        urllib.error.HTTPError("https://x", 404, "Not Found", {}, None))
 
 
-# --- the real engine.hub against the fake HTTP hub (when both have landed) ------------------
+# --- the real engine.hub (no network here: offline paths, and tests/fakehub.py if present) ---
 
-def test_real_hub_against_fakehub(qtbot, tmp_path, monkeypatch):
+def _real_hub_dialog(qtbot, cache):
+    dlg = DownloadDialog(REPO, cache_dir=cache)
+    qtbot.addWidget(dlg)
+    dlg.open()
+    qtbot.waitUntil(lambda: dlg.state in ("ready", "failed"), timeout=20000)
+    return dlg
+
+
+def test_real_hub_offline_mode(qtbot, tmp_path, monkeypatch):
     hub = pytest.importorskip("tritonchat.engine.hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dlg = _real_hub_dialog(qtbot, tmp_path / "cache")
+    assert dlg.state == "failed"
+    text = dlg.info_label.text()
+    assert text.startswith(f"Could not download {REPO}") and "tritonchat --model DIR" in text
+    assert str(tmp_path / "cache") in text
+    assert hub.DownloadError is DownloadError
+
+
+def test_real_hub_unreachable(qtbot, tmp_path, monkeypatch):
+    import functools
+    import socket
+    hub = pytest.importorskip("tritonchat.engine.hub")
+    with socket.socket() as s:                       # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(hub, "RetryPolicy",
+                        functools.partial(hub.RetryPolicy, attempts=1, backoff_s=0.01))
+    dlg = _real_hub_dialog(qtbot, tmp_path / "cache")
+    assert dlg.state == "failed"
+    text = dlg.info_label.text()
+    assert text.startswith("There is no network connection to Hugging Face")
+    assert "tritonchat --model DIR" in text and str(tmp_path / "cache") in text
+
+
+@pytest.fixture
+def real_hub_env(request):
+    """tests/fakehub.py's hub_env (HF_ENDPOINT/HF_HUB_CACHE in temp), skipped until it exists."""
+    pytest.importorskip("tritonchat.engine.hub")
     fakehub = pytest.importorskip("tests.fakehub")
-    files = {"config.json": b'{"model_type": "qwen3_5"}', "tokenizer.json": b"{}" * 100,
-             "tokenizer_config.json": b"{}", "chat_template.jinja": b"{{ messages }}",
-             SHARD: os.urandom(300_000)}
-    cache = tmp_path / "hf-cache"
-    with fakehub.FakeHub(files, REPO) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-        dlg = DownloadDialog(REPO, cache_dir=cache)
-        qtbot.addWidget(dlg)
-        dlg.open()
-        qtbot.waitUntil(lambda: dlg.state in ("ready", "failed"), timeout=20000)
-        assert dlg.state == "ready", dlg.info_label.text()
-        assert dlg.plan.total_bytes == sum(len(b) for b in files.values())
-        with qtbot.waitSignal(dlg.finished, timeout=60000):
-            dlg.download_button.click()
-        assert dlg.result() == QDialog.DialogCode.Accepted.value, dlg.notice_label.text()
-        assert (dlg.result_dir / SHARD).read_bytes() == files[SHARD]
+    return fakehub, request.getfixturevalue("hub_env")
+
+
+try:                          # register the fixture real_hub_env asks for by name
+    from tests.fakehub import hub_env  # noqa: F401
+except ImportError:
+    pass
+
+
+def test_real_hub_download_cancel_and_resume(qtbot, real_hub_env):
+    fakehub, env = real_hub_env
+    files = fakehub.fake_model_files(weights_bytes=600_000, seed=3)
+    server = env.serve(files, throttle_bps=250_000)
+
+    dlg = _real_hub_dialog(qtbot, env.cache)
+    assert dlg.state == "ready", dlg.info_label.text()
+    assert dlg.plan.have_bytes == 0
+    assert str(env.cache) in dlg.dest_label.text()
+    dlg.download_button.click()
+    qtbot.waitUntil(lambda: dlg.progress.value() >= 250, timeout=30000)
+    assert " of " in dlg.rate_label.text() and "/s" in dlg.rate_label.text()
+    with qtbot.waitSignal(dlg.finished, timeout=10000):
+        dlg.cancel_button.click()
+    assert dlg.result() == QDialog.DialogCode.Rejected.value
+    assert not dlg._proc.is_alive()
+
+    server.throttle_bps = None
+    again = _real_hub_dialog(qtbot, env.cache)
+    assert again.state == "ready"
+    have = again.plan.have_bytes
+    assert 0 < have < again.plan.total_bytes
+    assert again.download_button.text() == "Resume download"
+    with qtbot.waitSignal(again.finished, timeout=60000):
+        again.download_button.click()
+    assert again.result() == QDialog.DialogCode.Accepted.value, again.notice_label.text()
+    assert (again.result_dir / fakehub.SHARD).read_bytes() == files[fakehub.SHARD]
+    # The shard resumed with a Range request instead of starting from zero.
+    ranges = server.body_ranges(fakehub.SHARD)
+    assert any(r and not r.startswith("bytes=0-") for r in ranges), ranges

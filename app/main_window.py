@@ -1,0 +1,756 @@
+"""The main window and its controller logic: conversations, sending, streaming, settings.
+
+Threads: the GUI thread owns the widgets and the ChatStore; the engine thread (worker.py) owns
+the ChatSession. Each answer is written to the store while it streams (at most SAVE_INTERVAL_S
+of text can be lost on a crash), and a send that fails puts the user's text back in the box.
+"""
+from __future__ import annotations
+
+from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, QMainWindow,
+                               QMessageBox, QProgressBar, QSplitter, QToolButton, QVBoxLayout,
+                               QWidget)
+
+from tritonchat.engine.api import SamplingParams
+
+from . import theme
+from .chat_input import ChatInput
+from .chat_view import ChatView
+from .conversation_list import ConversationList
+from .errors import ErrorBanner, show_error
+from .settings import ChatSettings, load_settings, save_settings
+from .settings_dialog import SettingsDialog
+from .store import ChatStore
+from .timing_panel import TimingPanel
+from .worker import EngineClient, GenerateRequest, SessionLoader
+
+SAVE_INTERVAL_S = 0.5            # the streaming answer reaches the store at least this often
+TITLE_CHARS = 48
+NEW_CHAT_TITLE = "New chat"
+STAGES = {"weights": "Loading weights", "kernels": "Compiling Triton kernels",
+          "graph": "Capturing the CUDA graph"}
+CPU_BANNER = "Running the reference engine on the CPU: slow."
+
+
+def title_from(text: str) -> str:
+    """A conversation title from its first message: first line, trimmed."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = re.sub(r"\s+", " ", line)
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "\u2026"
+
+
+@dataclass
+class Generation:
+    """The answer being generated (there is at most one)."""
+
+    request: GenerateRequest
+    conv_id: int
+    user_msg_id: int
+    assistant_msg_id: int
+    user_text: str
+    thinking_enabled: bool
+    new_conversation: bool           # created by this send: removed again if the send fails
+    thinking: str = ""
+    answer: str = ""
+    last_save: float = field(default_factory=time.monotonic)
+    discarded: bool = False          # its conversation was deleted: write nothing more
+
+
+class MainWindow(QMainWindow):
+    generationFinished = Signal(dict)       # the stored stats of a finished answer (tests, screenshot)
+    modelLoaded = Signal(dict)
+
+    def __init__(self, model: str, store: ChatStore, qsettings: QSettings, *,
+                 loader: SessionLoader | None = None, engine_overrides: dict | None = None,
+                 download: Callable[[str, QWidget], Path | None] | None = None):
+        super().__init__()
+        self.model = model
+        self.store = store
+        self.qs = qsettings
+        self.engine_overrides = dict(engine_overrides or {})
+        self._download = download or _download_with_dialog
+        self.model_defaults = SamplingParams()
+        self.settings: ChatSettings = load_settings(qsettings, None)
+        self.capabilities: dict = {}
+        self.engine_options: dict = {}
+        self.loaded = False
+        self.conv_id: int | None = None
+        self.gen: Generation | None = None
+        self.max_context = self.settings.context_length
+        self.model_dir: str | None = None
+        self._closing = False
+
+        app = QApplication.instance()
+        self.colors = theme.apply_theme(app, self.settings.theme)
+        self.setWindowTitle("tritonchat")
+        self.resize(1180, 780)
+        self.setMinimumSize(720, 480)
+
+        self.engine = EngineClient(loader, self)
+        w = self.engine.worker
+        w.loadProgress.connect(self._on_load_progress)
+        w.loaded.connect(self._on_loaded)
+        w.loadFailed.connect(self._on_load_failed)
+        w.fellBack.connect(self._on_fell_back)
+        w.textDelta.connect(self._on_text)
+        w.statsUpdate.connect(self._on_stats)
+        w.finished.connect(self._on_finished)
+        w.failed.connect(self._on_failed)
+        w.configured.connect(self._on_configured)
+        w.configureFailed.connect(lambda s, d: show_error(self, s, d))
+        w.timings.connect(self._on_timings)
+        w.tokenCount.connect(self._on_token_count)
+
+        self._build_ui()
+        self._build_menus()
+        self._restore_ui()
+        self.refresh_conversations()
+        last = self.qs.value("ui/last_conversation")
+        try:
+            last_id = int(last) if last not in (None, "") else None
+        except (TypeError, ValueError):
+            last_id = None
+        if last_id is not None and last_id in self.sidebar.ids():
+            self.open_conversation(last_id)
+        else:
+            self.new_chat()
+
+    # ================================================================== UI
+    def _build_ui(self) -> None:
+        style = theme.render_style(self.colors)
+        self.sidebar = ConversationList(self)
+        self.sidebar.setMinimumWidth(200)
+        self.sidebar.newRequested.connect(self.new_chat)
+        self.sidebar.selected.connect(self.open_conversation)
+        self.sidebar.renameRequested.connect(self.rename_conversation)
+        self.sidebar.deleteRequested.connect(self.delete_conversation)
+        self.sidebar.exportRequested.connect(self.export_conversation)
+        self.sidebar.searchChanged.connect(lambda _t: self.refresh_conversations())
+
+        self.banner = ErrorBanner(self)
+        self._banner_error_style = self.banner.styleSheet()
+        self.header_title = QLabel(NEW_CHAT_TITLE, self)
+        self.header_title.setStyleSheet("font-size: 12pt; font-weight: 600;")
+        self.timing_button = QToolButton(self)
+        self.timing_button.setText("Timing")
+        self.timing_button.setCheckable(True)
+        self.timing_button.setToolTip("Show the timing panel: live tokens/s and GPU time per kernel (Ctrl+T)")
+        self.settings_button = QToolButton(self)
+        self.settings_button.setText("Settings")
+        self.settings_button.setToolTip("Sampling, system prompt, context length, engine switches (Ctrl+,)")
+        self.settings_button.clicked.connect(self.open_settings)
+        header = QHBoxLayout()
+        header.setContentsMargins(24, 10, 16, 6)
+        header.addWidget(self.header_title, 1)
+        header.addWidget(self.timing_button)
+        header.addWidget(self.settings_button)
+
+        self.chat = ChatView(style, self)
+        self.chat.editSubmitted.connect(self.edit_and_resend)
+        self.chat.regenerateRequested.connect(self.regenerate)
+        self.chat.suggestionChosen.connect(self._use_suggestion)
+        self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied to the clipboard", 2000))
+        self.input = ChatInput(self)
+        self.input.sendRequested.connect(self.send)
+        self.input.stopRequested.connect(self.stop)
+        self.input.set_ready(False, "The model is loading")
+
+        main = QWidget(self)
+        main.setObjectName("ChatSurface")
+        main.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+        ml = QVBoxLayout(main)
+        ml.setContentsMargins(0, 0, 0, 0)
+        ml.setSpacing(0)
+        banner_row = QHBoxLayout()
+        banner_row.setContentsMargins(16, 8, 16, 0)
+        banner_row.addWidget(self.banner)
+        ml.addLayout(banner_row)
+        ml.addLayout(header)
+        ml.addWidget(self.chat, 1)
+        ml.addWidget(self.input)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(main)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([260, 920])
+        self.splitter.setChildrenCollapsible(False)
+        self.setCentralWidget(self.splitter)
+
+        self.timing = TimingPanel(self.colors, self)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.timing)
+        self.timing.hide()
+        toggle = self.timing.toggleViewAction()
+        toggle.setText("Timing panel")
+        toggle.setShortcut(QKeySequence("Ctrl+T"))
+        toggle.toggled.connect(self._on_timing_toggled)
+        toggle.toggled.connect(self.timing_button.setChecked)
+        self.timing_button.clicked.connect(lambda on: self.timing.setVisible(on))
+        self._timing_sent: bool | None = None
+
+        self.engine_label = QLabel("Starting\u2026", self)
+        self.engine_label.setObjectName("MutedLabel")
+        self.load_bar = QProgressBar(self)
+        self.load_bar.setRange(0, 1000)
+        self.load_bar.setFixedWidth(180)
+        self.load_bar.setTextVisible(False)
+        self.load_bar.hide()
+        self.statusBar().addWidget(self.engine_label, 1)
+        self.statusBar().addPermanentWidget(self.load_bar)
+        self.statusBar().setSizeGripEnabled(True)
+
+        self.stop_shortcut = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        self.stop_shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
+        self.stop_shortcut.activated.connect(self.stop)
+        self.stop_shortcut.setEnabled(False)
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        self.new_action = self._action(file, "&New chat", "Ctrl+N", self.new_chat)
+        self.export_md_action = self._action(file, "Export as &Markdown\u2026", "Ctrl+E",
+                                             lambda: self._export_current("markdown"))
+        self.export_json_action = self._action(file, "Export as &JSON\u2026", "Ctrl+Shift+E",
+                                               lambda: self._export_current("json"))
+        self.delete_action = self._action(file, "&Delete chat\u2026", None,
+                                          lambda: self.conv_id is not None and self.delete_conversation(self.conv_id))
+        file.addSeparator()
+        self.download_action = self._action(file, "&Download the model\u2026", None, self.start)
+        self.download_action.setVisible(False)
+        file.addSeparator()
+        self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
+
+        edit = bar.addMenu("&Edit")
+        self.copy_last_action = self._action(edit, "&Copy last answer", "Ctrl+Shift+C", self.copy_last_answer)
+        self.regenerate_action = self._action(edit, "&Regenerate last answer", "Ctrl+R", self._regenerate_last)
+        self.stop_action = self._action(edit, "&Stop generating", None, self.stop)
+        edit.addSeparator()
+        self.settings_action = self._action(edit, "&Settings\u2026", "Ctrl+,", self.open_settings)
+        self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
+
+        view = bar.addMenu("&View")
+        view.addAction(self.timing.toggleViewAction())
+        self._action(view, "&Find chats", "Ctrl+K", self._focus_search)
+        themes = view.addMenu("&Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for value, label in (("system", "Follow the &system"), ("light", "&Light"), ("dark", "&Dark")):
+            a = themes.addAction(label)
+            a.setCheckable(True)
+            a.setChecked(value == self.settings.theme)
+            a.triggered.connect(lambda _=False, v=value: self.set_theme(v))
+            group.addAction(a)
+            self.theme_actions[value] = a
+
+        help_menu = bar.addMenu("&Help")
+        self._action(help_menu, "&About tritonchat", None, self._about)
+
+    def _action(self, menu, text: str, shortcut, slot) -> QAction:
+        a = QAction(text, self)
+        if shortcut is not None:
+            a.setShortcut(QKeySequence(shortcut))
+        a.triggered.connect(lambda _=False: slot())
+        menu.addAction(a)
+        return a
+
+    def _restore_ui(self) -> None:
+        geometry = self.qs.value("ui/geometry")
+        if isinstance(geometry, (QByteArray, bytes)):
+            self.restoreGeometry(QByteArray(geometry))
+        sizes = self.qs.value("ui/splitter")
+        if isinstance(sizes, (QByteArray, bytes)):
+            self.splitter.restoreState(QByteArray(sizes))
+
+    # ================================================================== model loading
+    def start(self) -> None:
+        """Find the model (download it on first launch), then load it on the engine thread."""
+        from tritonchat.engine.hub import is_local_dir, local_model_dir
+
+        self.download_action.setVisible(False)
+        if is_local_dir(self.model):
+            model_dir = Path(self.model).expanduser()
+        else:
+            model_dir = local_model_dir(self.model)
+            if model_dir is None:
+                model_dir = self._download(self.model, self)
+                if model_dir is None:
+                    self.show_banner(
+                        f"The model {self.model} is not downloaded yet: use File \u2192 Download the "
+                        "model to fetch it.", warning=True)
+                    self.download_action.setVisible(True)
+                    self.engine_label.setText("No model")
+                    self.input.set_ready(False, "No model is loaded")
+                    return
+        self.load_model(str(model_dir))
+
+    def load_model(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.loaded = False
+        self.input.set_ready(False, "The model is loading")
+        self.engine_label.setText("Loading the model\u2026")
+        self.load_bar.setValue(0)
+        self.load_bar.show()
+        settings = dict(self.engine_overrides)
+        settings.update({"max_context": self.settings.context_length, "split_k": self.settings.split_k,
+                         "graph": self.settings.graph, "timing": self.timing.isVisible()})
+        self.engine.load(model_dir, settings)
+
+    def _on_load_progress(self, stage: str, fraction: float) -> None:
+        self.load_bar.show()
+        self.load_bar.setValue(int(max(0.0, min(1.0, fraction)) * 1000))
+        self.engine_label.setText(f"{STAGES.get(stage, stage)}\u2026 {fraction:.0%}")
+
+    def _on_loaded(self, info: dict) -> None:
+        self.loaded = True
+        self.load_bar.hide()
+        self.engine_options = dict(info.get("options") or {})
+        self.capabilities = dict(info.get("capabilities") or {})
+        self._timing_sent = bool(self.engine_options.get("timing"))
+        defaults = info.get("generation_defaults") or {}
+        self.model_defaults = SamplingParams(**{k: v for k, v in defaults.items()
+                                                if k in SamplingParams.__dataclass_fields__})
+        self.settings = load_settings(self.qs, self.model_defaults)
+        self.max_context = int(self.engine_options.get("max_context") or self.settings.context_length)
+        self.timing.set_capabilities(self.capabilities)
+        self.input.set_ready(True)
+        self._update_engine_label()
+        if not self.capabilities.get("cuda", False):
+            self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
+        self._request_token_count()
+        if self.timing.isVisible():
+            self._on_timing_toggled(True)
+        self.modelLoaded.emit(dict(info))
+
+    def _on_load_failed(self, sentence: str, details: str, kind: str) -> None:
+        self.load_bar.hide()
+        self.engine_label.setText("The model could not be loaded")
+        self.input.set_ready(False, "No model is loaded")
+        self.show_banner(sentence, details)
+        show_error(self, sentence, details)
+
+    def _on_fell_back(self, sentence: str, details: str) -> None:
+        self.show_banner(f"{sentence} The reference engine runs instead: slow.", details, warning=True)
+
+    def show_banner(self, text: str, details: str = "", warning: bool = False) -> None:
+        """The bar above the chat: amber for a working-but-degraded state, red for errors."""
+        if warning:
+            c = self.colors
+            self.banner.setStyleSheet(
+                f"#ErrorBanner {{ background: {c.banner_bg}; border-radius: 6px; }}"
+                f"#ErrorBanner QLabel {{ color: {c.banner_text}; }}"
+                f"#ErrorBanner QToolButton {{ color: {c.banner_text}; border: none; font-weight: bold; padding: 0 6px; }}")
+        else:
+            self.banner.setStyleSheet(self._banner_error_style)
+        self.banner.show_message(text, details)
+
+    def _update_engine_label(self) -> None:
+        o = self.engine_options
+        if not o:
+            return
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(o.get("dtype"), o.get("dtype"))
+        device = self.capabilities.get("device_name") or o.get("device", "")
+        parts = [f"{o.get('backend', '?')} backend", str(device), str(dtype),
+                 f"context {int(o.get('max_context', 0)):,}"]
+        if o.get("backend") == "triton":
+            parts += [f"split-K {'on' if o.get('split_k') else 'off'}",
+                      f"CUDA Graph {'on' if o.get('graph') else 'off'}"]
+        name = Path(self.model_dir).name if self.model_dir else ""
+        self.engine_label.setText(" \u00b7 ".join(p for p in [name] + parts if p))
+
+    # ================================================================== conversations
+    def refresh_conversations(self) -> None:
+        convs = self.store.list_conversations(self.sidebar.search.text().strip())
+        self.sidebar.set_conversations(convs, self.conv_id)
+
+    def new_chat(self) -> None:
+        self.conv_id = None
+        self.chat.clear()
+        self.sidebar.select(None)
+        self.header_title.setText(NEW_CHAT_TITLE)
+        self.setWindowTitle("tritonchat")
+        self._update_actions()
+        self._request_token_count()
+        self.input.box.setFocus()
+
+    def open_conversation(self, conv_id: int) -> None:
+        try:
+            conv = self.store.get_conversation(conv_id)
+        except Exception:
+            self.refresh_conversations()
+            return
+        self.conv_id = conv_id
+        self.chat.set_messages(self.store.messages(conv_id))
+        g = self.gen
+        if g is not None and g.conv_id == conv_id and not g.discarded:
+            self.chat.attach_stream(g.assistant_msg_id, g.thinking, g.answer, g.thinking_enabled)
+        self.chat.set_busy(self.gen is not None)
+        self.sidebar.select(conv_id)
+        self.header_title.setText(conv.title)
+        self.setWindowTitle(f"{conv.title} \u2014 tritonchat")
+        self.qs.setValue("ui/last_conversation", conv_id)
+        self._update_actions()
+        self._request_token_count()
+
+    def rename_conversation(self, conv_id: int, title: str) -> None:
+        title = title.strip()
+        if not title:
+            return
+        self.store.rename_conversation(conv_id, title)
+        if conv_id == self.conv_id:
+            self.header_title.setText(title)
+            self.setWindowTitle(f"{title} \u2014 tritonchat")
+        self.refresh_conversations()
+
+    def delete_conversation(self, conv_id: int) -> None:
+        try:
+            title = self.store.get_conversation(conv_id).title
+        except Exception:
+            return
+        if not self._confirm("Delete chat", f"Delete \u201c{title}\u201d? This cannot be undone."):
+            return
+        g = self.gen
+        if g is not None and g.conv_id == conv_id:
+            g.discarded = True
+            g.request.stop_event.set()
+        self.store.delete_conversation(conv_id)
+        if conv_id == self.conv_id:
+            self.new_chat()
+        self.refresh_conversations()
+
+    def export_conversation(self, conv_id: int, fmt: str) -> None:
+        try:
+            title = self.store.get_conversation(conv_id).title
+        except Exception:
+            return
+        path = self._ask_save_path(title, fmt)
+        if not path:
+            return
+        try:
+            if fmt == "json":
+                text = json.dumps(self.store.export_json(conv_id), indent=2, ensure_ascii=False) + "\n"
+            else:
+                text = self.store.export_markdown(conv_id)
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            show_error(self, f"The chat could not be saved to {path}: {exc.strerror or exc}.", str(exc))
+            return
+        self.statusBar().showMessage(f"Exported to {path}", 4000)
+
+    def _export_current(self, fmt: str) -> None:
+        if self.conv_id is not None:
+            self.export_conversation(self.conv_id, fmt)
+
+    # ---- dialogs, separate so tests can answer them
+    def _confirm(self, title: str, text: str) -> bool:
+        answer = QMessageBox.question(self, title, text,
+                                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel,
+                                      QMessageBox.StandardButton.Cancel)
+        return answer == QMessageBox.StandardButton.Yes
+
+    def _ask_save_path(self, title: str, fmt: str) -> str | None:
+        ext = "json" if fmt == "json" else "md"
+        safe = re.sub(r"[^\w\- ]+", "", title).strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export chat", str(Path.home() / f"{safe}.{ext}"),
+            "JSON (*.json)" if ext == "json" else "Markdown (*.md)")
+        return path or None
+
+    # ================================================================== sending
+    def send(self, text: str) -> None:
+        if not text.strip() or self.gen is not None or not self.loaded:
+            return
+        new_conv = self.conv_id is None
+        if new_conv:
+            self.conv_id = self.store.create_conversation(title_from(text) or NEW_CHAT_TITLE)
+            self.qs.setValue("ui/last_conversation", self.conv_id)
+            self.header_title.setText(self.store.get_conversation(self.conv_id).title)
+        user_id = self.store.add_message(self.conv_id, "user", text)
+        self.input.clear()
+        self.chat.add_message(user_id, "user", text)
+        self.refresh_conversations()
+        self._start_generation(self.conv_id, user_id, text, new_conv)
+
+    def edit_and_resend(self, user_msg_id: int, text: str) -> None:
+        if self.gen is not None or not self.loaded or self.conv_id is None or not text.strip():
+            return
+        conv = self.conv_id
+        self.store.delete_messages_from(conv, user_msg_id)
+        self.chat.remove_from(user_msg_id)
+        user_id = self.store.add_message(conv, "user", text)
+        self.chat.add_message(user_id, "user", text)
+        self._start_generation(conv, user_id, text, False)
+
+    def regenerate(self, assistant_msg_id: int) -> None:
+        if self.gen is not None or not self.loaded or self.conv_id is None:
+            return
+        conv = self.conv_id
+        msgs = self.store.messages(conv)
+        idx = next((i for i, m in enumerate(msgs) if m.id == assistant_msg_id), None)
+        if idx is None or idx == 0 or msgs[idx - 1].role != "user":
+            return
+        user = msgs[idx - 1]
+        self.store.delete_messages_from(conv, assistant_msg_id)
+        self.chat.remove_from(assistant_msg_id)
+        self._start_generation(conv, user.id, user.content, False)
+
+    def _regenerate_last(self) -> None:
+        last = next((w for w in reversed(self.chat.messages) if w.role == "assistant"), None)
+        if last is not None:
+            self.regenerate(last.msg_id)
+
+    def engine_messages(self, conv_id: int) -> list[dict]:
+        """The conversation as the engine sees it: system prompt, then the stored turns."""
+        out: list[dict] = []
+        if self.settings.system_prompt.strip():
+            out.append({"role": "system", "content": self.settings.system_prompt})
+        for m in self.store.messages(conv_id):
+            if m.role == "system":
+                continue
+            d = {"role": m.role, "content": m.content}
+            if m.role == "assistant" and m.thinking:
+                d["reasoning_content"] = m.thinking
+            out.append(d)
+        return out
+
+    def _start_generation(self, conv_id: int, user_msg_id: int, user_text: str, new_conv: bool) -> None:
+        s = self.settings
+        messages = self.engine_messages(conv_id)
+        assistant_id = self.store.add_message(conv_id, "assistant", "")
+        if conv_id == self.conv_id:
+            self.chat.begin_stream(assistant_id, s.thinking)
+        request = self.engine.generate(messages, s.sampling_params(), s.max_new_tokens, s.thinking)
+        self.gen = Generation(request=request, conv_id=conv_id, user_msg_id=user_msg_id,
+                              assistant_msg_id=assistant_id, user_text=user_text,
+                              thinking_enabled=s.thinking, new_conversation=new_conv)
+        self.timing.begin_generation()
+        self._set_generating(True)
+
+    def stop(self) -> None:
+        if self.gen is not None:
+            self.gen.request.stop_event.set()
+            self.statusBar().showMessage("Stopping\u2026", 1500)
+
+    def _set_generating(self, on: bool) -> None:
+        self.input.set_generating(on)
+        self.chat.set_busy(on)
+        self.stop_shortcut.setEnabled(on)
+        self._update_actions()
+
+    def _update_actions(self) -> None:
+        busy = self.gen is not None
+        has_conv = self.conv_id is not None
+        self.export_md_action.setEnabled(has_conv)
+        self.export_json_action.setEnabled(has_conv)
+        self.delete_action.setEnabled(has_conv)
+        self.regenerate_action.setEnabled(has_conv and not busy)
+        self.stop_action.setEnabled(busy)
+
+    # ---- engine reports
+    def _current(self, request_id: int) -> Generation | None:
+        g = self.gen
+        return g if g is not None and g.request.request_id == request_id else None
+
+    def _on_text(self, request_id: int, thinking: str, answer: str) -> None:
+        g = self._current(request_id)
+        if g is None:
+            return
+        g.thinking += thinking
+        g.answer += answer
+        if g.conv_id == self.conv_id and self.chat.streaming is not None:
+            self.chat.append_stream(thinking, answer)
+        now = time.monotonic()
+        if not g.discarded and now - g.last_save >= SAVE_INTERVAL_S:
+            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking)
+            g.last_save = now
+
+    def _on_stats(self, request_id: int, stats: dict) -> None:
+        g = self._current(request_id)
+        if g is None:
+            return
+        self.timing.add_stats(stats)
+        if g.conv_id == self.conv_id and stats.get("context_tokens") is not None:
+            self.input.set_context(int(stats["context_tokens"]), int(stats.get("max_context") or self.max_context))
+
+    def _on_finished(self, request_id: int, reply: dict) -> None:
+        g = self._current(request_id)
+        if g is None:
+            return
+        self.gen = None
+        stats = {**(reply.get("engine") or {}), **(reply.get("stats") or {}),
+                 "thinking_seconds": float(reply.get("thinking_seconds") or 0.0)}
+        stats.pop("timing", None)
+        answer, thinking = reply.get("answer", g.answer), reply.get("thinking", g.thinking)
+        if not g.discarded:
+            self.store.update_message(g.assistant_msg_id, content=answer, thinking=thinking, stats=stats)
+        if g.conv_id == self.conv_id and not g.discarded:
+            self.chat.finish_stream(answer, thinking, stats["thinking_seconds"], stats)
+        self._set_generating(False)
+        self.refresh_conversations()
+        self._request_token_count()
+        if self.timing.isVisible():
+            self.engine.read_timings()
+        self.generationFinished.emit(stats)
+
+    def _on_failed(self, request_id: int, sentence: str, details: str, kind: str) -> None:
+        g = self._current(request_id)
+        if g is None:
+            return
+        self.gen = None
+        shown = g.conv_id == self.conv_id
+        if g.discarded:
+            pass
+        elif g.answer or g.thinking:
+            # keep what was written; the stats say it ended in an error
+            stats = {**self.engine_options, "stop_reason": "error"}
+            stats.pop("timing", None)
+            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking, stats=stats)
+            if shown:
+                self.chat.finish_stream(g.answer, g.thinking, None, stats)
+        else:
+            # nothing came out: undo the send and give the text back
+            self.store.delete_messages_from(g.conv_id, g.user_msg_id)
+            if shown:
+                self.chat.remove_from(g.user_msg_id)
+            if g.new_conversation and not self.store.messages(g.conv_id):
+                self.store.delete_conversation(g.conv_id)
+                if shown:
+                    self.new_chat()
+            self.input.restore(g.user_text)
+        self._set_generating(False)
+        self.refresh_conversations()
+        show_error(self, sentence, details)
+
+    def _on_configured(self, options: dict) -> None:
+        self.engine_options = dict(options)
+        self.max_context = int(options.get("max_context") or self.max_context)
+        self._update_engine_label()
+        self._request_token_count()
+
+    # ================================================================== context meter
+    def _request_token_count(self) -> None:
+        if not self.loaded:
+            self.input.set_context(0, self.max_context)
+            return
+        tag = self.conv_id if self.conv_id is not None else -1
+        messages = self.engine_messages(self.conv_id) if self.conv_id is not None else (
+            [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt.strip() else [])
+        self.engine.count_tokens(tag, messages, self.settings.thinking)
+
+    def _on_token_count(self, tag: int, n: int, max_context: int) -> None:
+        if tag == (self.conv_id if self.conv_id is not None else -1) and self.gen is None:
+            self.max_context = max_context
+            self.input.set_context(n, max_context)
+
+    # ================================================================== timing panel
+    def _on_timing_toggled(self, visible: bool) -> None:
+        if not self.loaded:
+            return
+        if self._timing_sent != visible:
+            self._timing_sent = visible
+            self.engine.configure(timing=visible)
+        if visible:
+            self.engine.read_timings()
+
+    def _on_timings(self, info: dict) -> None:
+        self.timing.set_timings(info)
+
+    # ================================================================== settings
+    def open_settings(self) -> None:
+        dialog = SettingsDialog(self.settings, self.model_defaults, self.capabilities,
+                                parent=self)
+        if dialog.exec() == SettingsDialog.DialogCode.Accepted:
+            self.apply_settings(dialog.settings())
+        dialog.deleteLater()
+
+    def apply_settings(self, new: ChatSettings) -> None:
+        """Store the settings and push what changed to the engine (no restart needed)."""
+        old = self.settings
+        save_settings(self.qs, new, self.model_defaults)
+        self.settings = new
+        changes = {}
+        if new.split_k != old.split_k:
+            changes["split_k"] = new.split_k
+        if new.graph != old.graph:
+            changes["graph"] = new.graph
+        if new.context_length != old.context_length:
+            changes["max_context"] = new.context_length
+        if changes and self.loaded:
+            self.engine.configure(**changes)
+        if new.theme != old.theme:
+            self.set_theme(new.theme)
+        self._request_token_count()
+
+    def set_theme(self, mode: str) -> None:
+        if mode != self.settings.theme:
+            self.settings.theme = mode
+            self.qs.setValue("ui/theme", mode)
+        self.colors = theme.apply_theme(QApplication.instance(), mode)
+        self.chat.set_style(theme.render_style(self.colors))
+        self.timing.set_colors(self.colors)
+        if mode in self.theme_actions:
+            self.theme_actions[mode].setChecked(True)
+
+    # ================================================================== misc actions
+    def copy_last_answer(self) -> None:
+        text = self.chat.last_answer()
+        if text is not None:
+            QGuiApplication.clipboard().setText(text)
+            self.statusBar().showMessage("Last answer copied", 2000)
+
+    def _use_suggestion(self, prompt: str) -> None:
+        self.input.set_text(prompt)
+        self.input.box.setFocus()
+
+    def _focus_search(self) -> None:
+        self.sidebar.search.setFocus()
+        self.sidebar.search.selectAll()
+
+    def _about(self) -> None:
+        QMessageBox.about(self, "About tritonchat",
+                          "<b>tritonchat</b><br>A desktop chat app for Qwen3.5-0.8B whose inference "
+                          "runs on hand-written Triton kernels.<br><br>"
+                          f"{self.engine_label.text()}")
+
+    # ================================================================== closing
+    def save_in_flight(self) -> None:
+        """Write the streaming answer as it stands (used on close)."""
+        g = self.gen
+        if g is not None and not g.discarded:
+            stats = {**self.engine_options, "stop_reason": "stopped"}
+            stats.pop("timing", None)
+            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking, stats=stats)
+            g.discarded = True
+
+    def closeEvent(self, event) -> None:
+        self._closing = True
+        self.qs.setValue("ui/geometry", self.saveGeometry())
+        self.qs.setValue("ui/splitter", self.splitter.saveState())
+        if self.conv_id is not None:
+            self.qs.setValue("ui/last_conversation", self.conv_id)
+        self.qs.sync()
+        self.save_in_flight()
+        self.engine_closed = self.engine.close(timeout_s=30.0)
+        super().closeEvent(event)
+
+
+def _download_with_dialog(repo_id: str, parent: QWidget) -> Path | None:
+    from .download_dialog import DownloadDialog
+
+    dialog = DownloadDialog(repo_id, parent=parent)
+    try:
+        if dialog.exec() == DownloadDialog.DialogCode.Accepted and dialog.result_dir is not None:
+            return Path(dialog.result_dir)
+        return None
+    finally:
+        dialog.deleteLater()

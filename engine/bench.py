@@ -1,0 +1,312 @@
+"""`tritonchat bench`: decode speed against the HBM roofline, measured in the same run.
+
+The roofline is the time to read, once, a buffer as large as the bytes one decode step must
+move (all weights with the tied LM head read whole, the GDN recurrent states read and written,
+the KV cache up to the position); tok/s = bandwidth / bytes. Decode speed is measured through the
+same generation loop the app uses (one host read of each token), greedy with EOS ignored.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from .api import EngineOptions, SamplingParams
+from .errors import TritonChatError
+
+
+def measure_hbm_read(nbytes: int, device, reps: int = 20) -> float:
+    """Read bandwidth in GB/s: one pass of torch.sum over an nbytes buffer (fp32 accumulate)."""
+    import triton.testing
+    n = max(nbytes // 2, 1 << 20)
+    buf = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=5, rep=reps * 5,
+                                 return_mode="median")
+    del buf
+    torch.cuda.empty_cache()
+    return n * 2 / (ms * 1e-3) / 1e9
+
+
+def _random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab, 240000), (n,), generator=g).tolist()
+
+
+def _build(args, split_k: bool, graph: bool, context: int):
+    from .config import load_config, qwen35_08b_config
+    from .loader import load_backend, random_backend
+    device = args.device or "cuda"
+    opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
+                         split_k=split_k, graph=graph)
+    if args.model:
+        cfg, be = load_backend(args.model, opts)
+    else:
+        cfg = qwen35_08b_config()
+        be = random_backend(cfg, opts)
+    return cfg, be
+
+
+def decode_run(be, prompt: list[int], new_tokens: int) -> dict:
+    """Prefill the prompt, then decode new_tokens greedily (EOS ignored) through Generator."""
+    from .generation import Generator
+    gen = Generator(be, stop_ids=[])
+    gen.snapshots_enabled = False
+    # warm-up: compiles kernels and captures the graph outside the measurement
+    gen.generate(prompt[:8], SamplingParams(greedy=True), max_new_tokens=4)
+    gen.forget()
+    torch.cuda.synchronize()
+    res = gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=new_tokens)
+    s = res.stats
+    return {"decode_tok_s": s.decode_tok_s, "ms_per_token": s.decode_ms_per_token, "ttft_ms": s.ttft_ms,
+            "prefill_tok_s": s.prefill_tok_s, "new_tokens": s.new_tokens, "token_ids": res.token_ids}
+
+
+def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]:
+    """Per-kernel GPU time of eager, event-timed steps (separate from the speed measurement)."""
+    if not hasattr(be, "configure"):
+        return None
+    be.configure(timing=True)
+    be._timing_interval_s = 0.0                     # time every step of this pass
+    be.reset()
+    be.prefill(prompt)
+    be.begin_sampling(SamplingParams(greedy=True), prompt)
+    tok = be.sample()
+    be.reset_timings()
+    for _ in range(steps):
+        tok = be.step(tok)
+    rows = be.kernel_timings()
+    be.configure(timing=False)
+    be._timing_interval_s = 0.5
+    return rows
+
+
+def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -> dict:
+    """Decode speed with `position` tokens already in the KV cache (filled with random values:
+    speed does not depend on them) against that position's own roofline (KV bytes included)."""
+    st = be.state
+    for k, v in st.kv.values():
+        k[:, :position].normal_()
+        v[:, :position].normal_()
+    for t in st.rec.values():
+        t.normal_().mul_(0.01)
+    st.length = position
+    be.pos_buf.fill_(position)
+    be.h.normal_()
+    be._pending_head = True
+    be.begin_sampling(SamplingParams(greedy=True), [])
+    tok = be.sample()
+    for _ in range(8):
+        tok = be.step(tok)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        tok = be.step(tok)
+    dt = time.perf_counter() - t0
+    mid = position + 8 + new_tokens // 2
+    nbytes = cfg.decode_bytes_per_token(2, context=mid)
+    roof = hbm_gb_s * 1e9 / nbytes
+    tok_s = new_tokens / dt
+    return {"position": position, "decode_tok_s": tok_s, "roofline_tok_s": roof, "fraction_of_roofline": tok_s / roof,
+            "bytes_per_token": nbytes}
+
+
+def transformers_run(cfg, prompt: list[int], new_tokens: int, prefill_lens: list[int]) -> Optional[dict]:
+    """Hugging Face transformers eager on random weights of the same shape (when importable)."""
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except Exception as e:
+        return {"error": f"transformers not importable: {e}"}
+    hf_cfg = Qwen3_5TextConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        layer_types=list(cfg.layer_types), vocab_size=cfg.vocab_size, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
+                             partial_rotary_factor=cfg.partial_rotary_factor))
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    out = {"attn_implementation": "eager"}
+    model.config._attn_implementation = "eager"
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        ttft = t1 - t0
+        out["ttft_ms"] = ttft * 1e3
+        out["decode_tok_s"] = new_tokens / max((t2 - t1) - ttft, 1e-9)
+        pre = {}
+        for n in prefill_lens:
+            p = torch.tensor([_random_prompt(n, cfg.vocab_size, n)], device="cuda")
+            try:
+                model(input_ids=p[:, :16], logits_to_keep=1)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(input_ids=p, logits_to_keep=1)
+                torch.cuda.synchronize()
+                pre[str(n)] = {"ttft_ms": (time.perf_counter() - t0) * 1e3}
+            except torch.cuda.OutOfMemoryError:
+                pre[str(n)] = {"error": "out of memory"}
+                torch.cuda.empty_cache()
+        out["prefill"] = pre
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def prefill_table(be, cfg, lens: list[int]) -> dict:
+    """TTFT (prefill + first token) for several prompt lengths."""
+    out = {}
+    for n in lens:
+        if n >= be.max_context:
+            out[str(n)] = {"error": f"exceeds the context ({be.max_context})"}
+            continue
+        prompt = _random_prompt(n, cfg.vocab_size, n)
+        try:
+            be.reset()
+            be.prefill(prompt[:16])
+            be.begin_sampling(SamplingParams(greedy=True), [])
+            be.sample()
+            be.reset()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            be.prefill(prompt)
+            be.sample()
+            dt = time.perf_counter() - t0
+            out[str(n)] = {"ttft_ms": dt * 1e3, "prefill_tok_s": n / dt}
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            out[str(n)] = {"error": "out of memory"}
+    be.reset()
+    return out
+
+
+def run_bench(args) -> int:
+    if not torch.cuda.is_available():
+        raise TritonChatError("tritonchat bench needs a CUDA GPU (it measures GPU decode speed against HBM bandwidth).")
+    if not args.model and not args.random_weights:
+        args.random_weights = True
+    context = args.context or 32768
+    prompt_len, new_tokens = args.prompt_len, args.new_tokens
+    if prompt_len < 1 or new_tokens < 2:
+        raise TritonChatError("--prompt-len must be >= 1 and --new-tokens >= 2.")
+    if prompt_len + new_tokens + 16 > context:
+        raise TritonChatError(f"--prompt-len + --new-tokens must fit the context ({context}).")
+    gpu = torch.cuda.get_device_name(0)
+    configs = [(args.split_k == "on", args.graph == "on")]
+    if args.compare:
+        configs = [(True, True), (False, True), (True, False), (False, False)]
+    cfg, be = _build(args, *configs[0], context)
+    prompt = _random_prompt(prompt_len, cfg.vocab_size)
+    nbytes = cfg.decode_bytes_per_token(2 if args.dtype != "float32" else 4, context=prompt_len + new_tokens // 2)
+    hbm = measure_hbm_read(nbytes, be.device)
+    roof_tok_s = hbm * 1e9 / nbytes
+    report = {"gpu": gpu, "backend": be.name, "dtype": args.dtype, "weights": args.model or "random (true 0.8B shape)",
+              "prompt_len": prompt_len, "new_tokens": new_tokens, "context": context,
+              "roofline": {"hbm_read_gb_s": hbm, "bytes_per_token": nbytes, "floor_ms": nbytes / hbm / 1e6,
+                           "tok_s": roof_tok_s}}
+    runs = []
+    ref_tokens = None
+    for split_k, graph in configs:
+        be.configure(split_k=split_k, graph=graph)
+        r = decode_run(be, prompt, new_tokens)
+        r.update(split_k=split_k, graph=graph, fraction_of_roofline=r["decode_tok_s"] / roof_tok_s)
+        toks = r.pop("token_ids")
+        if ref_tokens is None:
+            ref_tokens = toks
+        r["tokens_equal_first_config"] = toks == ref_tokens
+        runs.append(r)
+        print(f"split-K {'on ' if split_k else 'off'} graph {'on ' if graph else 'off'}: "
+              f"{r['decode_tok_s']:8.1f} tok/s  {r['ms_per_token']:.3f} ms/token  "
+              f"{100 * r['fraction_of_roofline']:.1f}% of roofline  TTFT {r['ttft_ms']:.1f} ms", file=sys.stderr)
+    report["runs"] = runs
+    report.update({k: runs[0][k] for k in ("decode_tok_s", "ms_per_token", "ttft_ms", "fraction_of_roofline")})
+    be.configure(split_k=configs[0][0], graph=configs[0][1])
+    report["kernels"] = kernel_table(be, prompt)
+    mem = be.memory_info()
+    report["gpu_memory"] = {"allocated_gib": mem.get("allocated_bytes", 0) / 2**30,
+                            "reserved_gib": mem.get("reserved_bytes", 0) / 2**30,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if args.compare:
+        if be.name == "triton":
+            pos = context - new_tokens - 64
+            report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
+            be.reset()
+        lens = [int(x) for x in (args.prefill_lens or "128,2048,8192,32768").split(",") if x]
+        report["prefill"] = prefill_table(be, cfg, [n for n in lens if n < context])
+        be.close()
+        del be
+        torch.cuda.empty_cache()
+        report["transformers"] = transformers_run(cfg, prompt, min(new_tokens, 64), [n for n in lens if n <= 8192])
+        t = report["transformers"]
+        if t and "decode_tok_s" in t:
+            report["ours_vs_transformers"] = report["decode_tok_s"] / t["decode_tok_s"]
+        g = {(r["split_k"], r["graph"]): r["decode_tok_s"] for r in runs}
+        report["graph_speedup"] = g[(True, True)] / g[(True, False)]
+        report["split_k_speedup"] = g[(True, True)] / g[(False, True)]
+        if args.plot:
+            write_plot(report, args.plot)
+    if not args.json:
+        _print_table(report)
+    else:
+        print(json.dumps(report))
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    r = report["roofline"]
+    print(f"GPU: {report['gpu']}   backend {report['backend']} {report['dtype']}   weights: {report['weights']}")
+    print(f"roofline: {r['hbm_read_gb_s']:.0f} GB/s read, {r['bytes_per_token'] / 1e9:.3f} GB/token -> "
+          f"{r['floor_ms']:.3f} ms/token = {r['tok_s']:.0f} tok/s")
+    for run in report["runs"]:
+        print(f"  split-K {'on ' if run['split_k'] else 'off'} graph {'on ' if run['graph'] else 'off'}: "
+              f"{run['decode_tok_s']:.1f} tok/s, {run['ms_per_token']:.3f} ms/token, "
+              f"{100 * run['fraction_of_roofline']:.1f}% of roofline, TTFT {run['ttft_ms']:.1f} ms")
+    m = report["gpu_memory"]
+    print(f"GPU memory: {m['allocated_gib']:.2f} GiB allocated, peak {m['peak_gib']:.2f} GiB")
+    if report.get("kernels"):
+        print(f"{'kernel':28s} {'launches':>8s} {'us/token':>9s} {'share':>6s} {'GB/s':>7s}")
+        for k in report["kernels"]:
+            print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
+                  f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
+    for key in ("long_context", "prefill", "transformers"):
+        if key in report:
+            print(f"{key}: {json.dumps(report[key])}")
+
+
+def write_plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = report["runs"]
+    labels = [f"split-K {'on' if r['split_k'] else 'off'}\ngraph {'on' if r['graph'] else 'off'}" for r in runs]
+    vals = [r["decode_tok_s"] for r in runs]
+    t = report.get("transformers") or {}
+    if "decode_tok_s" in t:
+        labels.append("transformers\neager")
+        vals.append(t["decode_tok_s"])
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    bars = ax.bar(labels, vals, color=["#3b7dd8", "#6aa0e8", "#e8a33b", "#d8703b", "#999999"][: len(vals)])
+    roof = report["roofline"]["tok_s"]
+    ax.axhline(roof, color="#c62828", linestyle="--", label=f"HBM roofline {roof:.0f} tok/s")
+    ax.axhline(0.8 * roof, color="#c62828", linestyle=":", alpha=0.6, label="80% of roofline")
+    for b, v in zip(bars, vals):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"Qwen3.5-0.8B decode on {report['gpu']} (bf16, prompt {report['prompt_len']}, "
+                 f"{report['new_tokens']} new tokens)", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)

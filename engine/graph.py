@@ -1,0 +1,73 @@
+"""CUDA Graph of one decode step: captured once after warm-up, replayed as the position advances.
+
+The step reads its token id and position from device tensors (tok_buf, pos_buf) and writes the
+next token into tok_buf and pos_buf + 1, so the same graph serves every position until the
+context is full. Switching split-K, the sampler mode or the context invalidates it; the next step
+re-captures on the engine's thread. If capture fails, one message and eager decode.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+class GraphCaptureFailed(RuntimeError):
+    pass
+
+
+def capture(backend) -> "torch.cuda.CUDAGraph":
+    """Warm up (Triton JIT, no autotuning inside capture), then capture one decode step.
+    The warm-up runs on a copy of the mutable state, so capturing changes nothing."""
+    saved = _save_mutable(backend)
+    stream = torch.cuda.Stream(device=backend.device)
+    stream.wait_stream(torch.cuda.current_stream(backend.device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backend._decode_step()             # JIT compile every kernel before capture
+    torch.cuda.current_stream(backend.device).wait_stream(stream)
+    _load_mutable(backend, saved)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        backend._decode_step()
+    # capture records the kernels without running them, but restore anyway for safety
+    _load_mutable(backend, saved)
+    return g
+
+
+def _save_mutable(backend):
+    st = backend.state
+    return {
+        "conv": {i: t.clone() for i, t in st.conv.items()},
+        "rec": {i: t.clone() for i, t in st.rec.items()},
+        "tok": backend.tok_buf.clone(), "pos": backend.pos_buf.clone(), "h": backend.h.clone(),
+        "counts": backend.counts.clone(), "rng": backend.rng_state.clone(),
+    }
+
+
+def _load_mutable(backend, saved) -> None:
+    st = backend.state
+    for i, t in saved["conv"].items():
+        st.conv[i].copy_(t)
+    for i, t in saved["rec"].items():
+        st.rec[i].copy_(t)
+    backend.tok_buf.copy_(saved["tok"])
+    backend.pos_buf.copy_(saved["pos"])
+    backend.h.copy_(saved["h"])
+    backend.counts.copy_(saved["counts"])
+    backend.rng_state.copy_(saved["rng"])
+
+
+def replay_or_capture(backend) -> None:
+    """Run one decode step through the CUDA graph, capturing it first if needed."""
+    if backend._graph is None:
+        try:
+            backend._graph = capture(backend)
+        except Exception as e:  # driver/memory trouble: say it once, decode eagerly from now on
+            backend.options.graph = False
+            backend._graph = None
+            backend.graph_error = f"CUDA Graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); decoding without it."
+            print(f"tritonchat: {backend.graph_error}", file=sys.stderr)
+            backend._decode_step()
+            return
+    backend._graph.replay()

@@ -1,0 +1,943 @@
+"""Fetch the Qwen3.5 text model from the Hugging Face hub into the standard hub cache.
+
+Why not `huggingface_hub.snapshot_download`: since huggingface_hub 1.x every file goes to a
+process-unique `<etag>.<random>.incomplete` that is deleted on failure and never looked at again,
+so a download that is cancelled, killed or crashes restarts from zero. Here each file is fetched
+by our own resumable HTTP GET into `blobs/<etag>.incomplete` (a stable name), with Range requests,
+exponential backoff on stalls and drops, and a size + sha256 check before it is published.
+
+What lands on disk is exactly the layout huggingface_hub writes, so either side finds the other's
+downloads and `snapshot_download(..., local_files_only=True)` works offline afterwards:
+
+    <cache>/models--Qwen--Qwen3.5-0.8B/
+        blobs/<sha256 of LFS files | git blob id of small files>
+        snapshots/<commit>/<file>  ->  ../../blobs/<etag>
+        refs/main                  (the commit; written last, once every file is in)
+
+The file listing comes from the hub's JSON API (`/api/models/<id>/revision/<rev>?blobs=true`, the
+call behind `HfApi.model_info(files_metadata=True)`): it gives the commit, each file's size, git
+blob id and, for LFS files, the sha256 we verify against. All HTTP goes through urllib so the
+behaviour does not depend on which HTTP stack a given huggingface_hub version uses (requests,
+httpx, httpx2) and never involves hf_xet. huggingface_hub is only asked, lazily, for the request
+headers (token, user agent).
+
+No Qt, no platformdirs at import time: the engine imports this module on machines without them.
+"""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import hashlib
+import http.client
+import json
+import math
+import multiprocessing
+import os
+import queue as queue_module
+import re
+import shutil
+import socket
+import ssl
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import DownloadError
+
+DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+# What the text model needs, matched against top-level repo paths (fnmatch, case-sensitive).
+# The shards an index names are added to these at plan time, whatever their names.
+TEXT_MODEL_FILES: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors*",  # model.safetensors, and Qwen's model.safetensors-00001-of-00001.safetensors
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_CHUNK = 1 << 20  # bytes per read: at most one syscall each, so progress stays smooth on slow links
+_SPEED_WINDOW_S = 5.0  # speed = bytes received over the last few seconds
+_EVENT_INTERVAL_S = 0.1  # "download" events at most 10 per second (the GUI polls, the CLI redraws)
+_MANUAL_SNAPSHOT = "manual"  # snapshots/manual: where a user can drop files fetched elsewhere
+
+
+# ------------------------------------------------------------------------------------------------
+# Public data
+
+
+@dataclass
+class DownloadPlan:
+    """What a download will fetch: the text model's files at one commit, and where they go."""
+
+    repo_id: str
+    revision: str
+    files: list[tuple[str, int, Optional[str]]]  # (name, size, sha256 of LFS files else None)
+    total_bytes: int
+    have_bytes: int  # already on disk: finished blobs plus partial .incomplete files
+    dest: Path  # the snapshot folder the model will live in
+    commit: str = ""
+    etags: dict[str, str] = field(default_factory=dict)  # name -> blob name: sha256 (LFS) or git blob id
+    cache_dir: Optional[Path] = None
+
+
+@dataclass
+class DownloadProgress:
+    stage: str  # "download" | "retry" | "verify" | "done" | "error" | "cancelled"
+    done_bytes: int = 0  # bytes of the planned files on disk (resumed bytes included)
+    total_bytes: int = 0
+    speed_bps: float = 0.0  # bytes per second received over the last few seconds
+    eta_s: Optional[float] = None  # None while the speed is unknown
+    file: str = ""  # the file being fetched or checked
+    message: str = ""  # one line for the user (retry reason, error sentence, destination)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard a download tries before giving up.
+
+    A failure that received bytes resets the count: a slow flaky link still finishes.
+    """
+
+    attempts: int = 6  # consecutive failed attempts (no byte received) before giving up
+    backoff_s: float = 1.0  # wait before the first retry, doubled after every failure
+    max_backoff_s: float = 60.0
+    stall_s: float = 30.0  # no byte for this long = the connection stalled
+
+    def delay(self, failures: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** (failures - 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Where models live
+
+
+def _expand(path: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def model_cache_dir() -> Path:
+    """The hub cache we download into: HF_HUB_CACHE, else HF_HOME/hub, else the user cache dir."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return _expand(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return _expand(os.environ["HF_HOME"]) / "hub"
+    try:
+        import platformdirs  # lazy: absent on the GPU box, where the fallback below is right anyway
+    except ImportError:
+        return Path.home() / ".cache" / "tritonchat" / "hub"
+    return Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
+
+
+def _huggingface_default_cache() -> Path:
+    """Where huggingface_hub caches when neither HF_HUB_CACHE nor HF_HOME is set."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return _expand(base) / "huggingface" / "hub"
+
+
+def _search_caches() -> list[Path]:
+    """Our cache first, then huggingface_hub's default one (a model fetched by other tools)."""
+    caches = [model_cache_dir()]
+    if not (os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME")):
+        caches.append(_huggingface_default_cache())
+    return caches
+
+
+def _repo_folder(repo_id: str) -> str:
+    return "models--" + repo_id.replace("/", "--")
+
+
+def _manual_dir(repo_id: str, cache: Path) -> Path:
+    return cache / _repo_folder(repo_id) / "snapshots" / _MANUAL_SNAPSHOT
+
+
+def is_local_dir(model: str) -> bool:
+    """True for an existing folder or anything written like a path (/..., ./..., ../..., ~/...)."""
+    if model.startswith(("/", ".", "~")) or "\\" in model or re.match(r"^[A-Za-z]:", model):
+        return True
+    return Path(model).expanduser().is_dir()
+
+
+def _index_shards(data: bytes) -> list[str]:
+    """The shard files a *.safetensors.index.json names (its weight_map values)."""
+    index = json.loads(data)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError("no weight_map in the safetensors index")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or not shard or shard.startswith("/") or ".." in shard.split("/"):
+            raise ValueError(f"bad shard name {shard!r} in the safetensors index")
+    return shards
+
+
+def _snapshot_complete(folder: Path) -> bool:
+    """A folder the loader can use: config, a tokenizer, and every weight file (dangling links fail)."""
+    if not (folder / "config.json").is_file():
+        return False
+    if not ((folder / "tokenizer.json").is_file() or ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())):
+        return False
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if not indexes:
+        return any(p.is_file() for p in folder.glob("*.safetensors"))
+    for index in indexes:
+        try:
+            shards = _index_shards(index.read_bytes())
+        except (OSError, ValueError):
+            return False
+        if not all((folder / shard).is_file() for shard in shards):
+            return False
+    return True
+
+
+def _read_ref(repo_dir: Path, revision: str) -> Optional[str]:
+    try:
+        commit = (repo_dir / "refs" / revision).read_text().strip()
+    except OSError:
+        return None
+    return commit or None
+
+
+def _complete_snapshot(repo_dir: Path, revision: str) -> Optional[Path]:
+    snapshots = repo_dir / "snapshots"
+    if _COMMIT_RE.match(revision):
+        candidates = [snapshots / revision]  # a pinned commit means exactly that commit
+    else:
+        commit = _read_ref(repo_dir, revision)
+        candidates = [snapshots / commit] if commit else []
+        # Without a complete snapshot for the ref, any complete one beats nothing: an older
+        # commit, or files a user copied into snapshots/manual.
+        if snapshots.is_dir():
+            others = [p for p in snapshots.iterdir() if p.is_dir() and p not in candidates]
+            candidates += sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)
+    for folder in candidates:
+        if _snapshot_complete(folder):
+            return folder
+    return None
+
+
+def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None) -> Optional[Path]:
+    """The snapshot folder of a complete local copy of repo_id, or None. Never touches the network."""
+    caches = [Path(cache_dir)] if cache_dir is not None else _search_caches()
+    for cache in caches:
+        found = _complete_snapshot(cache / _repo_folder(repo_id), revision)
+        if found is not None:
+            return found
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Failures: a short reason phrase, turned into one user sentence at the public boundary
+
+
+class _Failed(Exception):
+    """A download that cannot go on. reason is a phrase without a period (it goes in parentheses)."""
+
+    def __init__(self, reason: str, details: Optional[str] = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details
+
+
+class _Transient(Exception):
+    """A failure worth retrying; progressed says the attempt received bytes first."""
+
+    def __init__(self, reason: str, progressed: bool = False, details: Optional[str] = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.progressed = progressed
+        self.details = details
+
+
+def _sentence(repo_id: str, reason: str, cache: Path, *, cli: bool) -> str:
+    manual = _manual_dir(repo_id, cache)
+    if cli:
+        return (f"Could not download {repo_id} ({reason}); download it elsewhere and put its files in "
+                f"{manual} or pass --model /path/to/folder.")
+    return (f"Could not download {repo_id} ({reason}); try again later, or download it elsewhere and "
+            f"put its files in {manual}.")
+
+
+def _download_error(repo_id: str, failure: _Failed, cache: Path, *, cli: bool) -> DownloadError:
+    return DownloadError(_sentence(repo_id, failure.reason, cache, cli=cli), failure.details)
+
+
+def _offline_env() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now: huggingface_hub reads it once at import."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _retrying(attempt: Callable[[], object], policy: RetryPolicy, on_retry: Callable[[str, float, int], None]):
+    """Run attempt() until it returns; _Transient failures wait policy.delay() and try again."""
+    failures = 0
+    while True:
+        try:
+            return attempt()
+        except _Transient as t:
+            failures = 1 if t.progressed else failures + 1
+            if failures > policy.attempts:
+                raise _Failed(t.reason, t.details) from None
+            wait = policy.delay(failures)
+            on_retry(t.reason, wait, failures)
+            time.sleep(wait)
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP (urllib)
+
+
+def _origin(url: str) -> tuple[str, str, Optional[int]]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+
+
+class _HubRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but never send the hub token to another host (a CDN's signed URL)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _ssl_context() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    try:  # the hub's own clients trust certifi's bundle; some Pythons ship without system roots
+        import certifi
+
+        context.load_verify_locations(certifi.where())
+    except (ImportError, OSError):
+        pass
+    return context
+
+
+class _Hub:
+    """The hub's HTTP endpoints we use, with the user's token and one shared opener."""
+
+    def __init__(self, endpoint: Optional[str] = None, timeout: float = 30.0):
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        self.timeout = timeout
+        try:
+            from huggingface_hub.utils import build_hf_headers  # token + user agent, as the hub's tools send
+
+            self.headers = dict(build_hf_headers(library_name="tritonchat"))
+        except Exception:  # no huggingface_hub, or a token setup it rejects: go anonymous
+            self.headers = {"User-Agent": "tritonchat"}
+        self.headers["Accept-Encoding"] = "identity"  # sizes and hashes are of the files' own bytes
+        self._opener = urllib.request.build_opener(_HubRedirects(), urllib.request.HTTPSHandler(context=_ssl_context()))
+
+    def info_url(self, repo_id: str, revision: str) -> str:
+        return f"{self.endpoint}/api/models/{repo_id}/revision/{urllib.parse.quote(revision, safe='')}?blobs=true"
+
+    def file_url(self, repo_id: str, commit: str, name: str) -> str:
+        return f"{self.endpoint}/{repo_id}/resolve/{urllib.parse.quote(commit, safe='')}/{urllib.parse.quote(name)}"
+
+    def open(self, url: str, offset: int = 0):
+        """GET url (from byte offset); raises _Transient / _Failed with a reason phrase."""
+        request = urllib.request.Request(url, headers=dict(self.headers))
+        if offset:
+            request.add_header("Range", f"bytes={offset}-")
+        try:
+            return self._opener.open(request, timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            e.close()
+            raise self._http_failure(e, url) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            raise _connection_failure(e) from None
+
+    def _http_failure(self, e: urllib.error.HTTPError, url: str) -> Exception:
+        code, kind = e.code, e.headers.get("X-Error-Code", "") if e.headers else ""
+        details = f"HTTP {code} {kind} for {e.url or url}".strip()
+        if code in (408, 429) or code >= 500:
+            return _Transient(f"the hub answered HTTP {code}", details=details)
+        if code == 403 and _origin(e.url or url) != _origin(self.endpoint):
+            return _Transient("the download link expired", details=details)  # a CDN's signed URL: ask the hub again
+        if kind == "GatedRepo":
+            return _Failed("the model is gated: accept its terms on the hub and log in with `hf auth login`", details)
+        if kind == "RepoNotFound":
+            return _Failed("the hub has no model by that name", details)
+        if kind == "RevisionNotFound":
+            return _Failed("the hub has no such revision", details)
+        if code == 404:
+            return _Failed("the hub has no such file", details)
+        if code in (401, 403):
+            return _Failed(f"the hub refused access with HTTP {code}: log in with `hf auth login`", details)
+        return _Failed(f"the hub answered HTTP {code}", details)
+
+
+def _connection_failure(e: BaseException) -> Exception:
+    reason = getattr(e, "reason", e) if isinstance(e, urllib.error.URLError) else e
+    details = f"{type(reason).__name__}: {reason}"
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return _Failed("the hub's certificate could not be verified", details)
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return _Transient("the connection stalled", details=details)
+    if isinstance(reason, (socket.gaierror, ConnectionRefusedError, OSError)) and not isinstance(
+        reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+    ):
+        return _Transient("no network", details=details)
+    return _Transient("the connection dropped", details=details)
+
+
+def _read_all(hub: _Hub, url: str) -> bytes:
+    with hub.open(url) as response:
+        try:
+            return response.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise _connection_failure(e) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress accounting
+
+
+class _Progress:
+    """Bytes on disk for the planned files, the recent speed, and throttled events."""
+
+    def __init__(self, total: int, done: int, emit: Callable[[DownloadProgress], None]):
+        self.total, self.done, self.emit = total, done, emit
+        self.file = ""
+        self._received = 0  # bytes received this session (resumed bytes excluded from the speed)
+        self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
+        self._last_event = 0.0
+
+    def speed(self) -> float:
+        now = time.monotonic()
+        while len(self._samples) > 1 and now - self._samples[0][0] > _SPEED_WINDOW_S:
+            self._samples.popleft()
+        t0, b0 = self._samples[0]
+        return (self._received - b0) / (now - t0) if now > t0 and self._received > b0 else 0.0
+
+    def add(self, n: int) -> None:
+        """n bytes landed on disk (negative: a partial or corrupt file was thrown away)."""
+        self.done += n
+        if n > 0:
+            self._received += n
+            self._samples.append((time.monotonic(), self._received))
+        if time.monotonic() - self._last_event >= _EVENT_INTERVAL_S:
+            self.event("download")
+
+    def event(self, stage: str, message: str = "") -> None:
+        self._last_event = time.monotonic()
+        speed = self.speed() if stage == "download" else 0.0
+        eta = (self.total - self.done) / speed if speed > 0 else None
+        self.emit(DownloadProgress(stage, self.done, self.total, speed, eta, self.file, message))
+
+    def on_retry(self, reason: str, wait: float, failures: int) -> None:
+        shown = f"{wait:.1f}" if wait < 10 else f"{wait:.0f}"
+        self.event("retry", f"{reason[:1].upper()}{reason[1:]}; retrying in {shown} s (attempt {failures + 1}).")
+
+
+def _no_progress(_: DownloadProgress) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+
+
+def _top_level_matches(name: str) -> bool:
+    return "/" not in name and any(fnmatch.fnmatchcase(name, pattern) for pattern in TEXT_MODEL_FILES)
+
+
+def _blob_path(cache: Path, repo_id: str, etag: str) -> Path:
+    return cache / _repo_folder(repo_id) / "blobs" / etag
+
+
+def _have_bytes(blob: Path, size: int) -> int:
+    if blob.is_file() and blob.stat().st_size == size:
+        return size
+    part = blob.with_name(blob.name + ".incomplete")
+    return min(part.stat().st_size, size) if part.is_file() else 0
+
+
+def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progress: _Progress) -> DownloadPlan:
+    if _offline_env():
+        raise _Failed("offline mode is on: HF_HUB_OFFLINE is set")
+    hub = _Hub(timeout=policy.stall_s)
+    progress.file = ""
+    raw = _retrying(lambda: _read_all(hub, hub.info_url(repo_id, revision)), policy, progress.on_retry)
+    try:
+        info = json.loads(raw)
+        commit = info["sha"]
+        siblings = {s["rfilename"]: s for s in info["siblings"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Failed("the hub sent a file listing we could not read", repr(e)) from None
+    if not isinstance(commit, str) or not _COMMIT_RE.match(commit):
+        raise _Failed("the hub sent a file listing we could not read", f"commit {commit!r}")
+
+    def etag_size_sha(name: str) -> tuple[str, int, Optional[str]]:
+        entry, lfs = siblings[name], siblings[name].get("lfs")
+        if lfs:
+            return lfs["sha256"], int(lfs["size"]), lfs["sha256"]
+        return entry["blobId"], int(entry["size"]), None
+
+    try:
+        names = sorted(n for n in siblings if _top_level_matches(n))
+        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+        if indexes:
+            shards: set[str] = set()
+            for index in indexes:
+                etag, _, _ = etag_size_sha(index)
+                blob = _blob_path(cache, repo_id, etag)
+                data = blob.read_bytes() if blob.is_file() else _retrying(
+                    lambda: _read_all(hub, hub.file_url(repo_id, commit, index)), policy, progress.on_retry)
+                try:
+                    shards.update(_index_shards(data))
+                except ValueError as e:
+                    raise _Failed(f"{index} on the hub is not a valid safetensors index", str(e)) from None
+            missing = sorted(shards - siblings.keys())
+            if missing:
+                raise _Failed(f"{indexes[0]} names {missing[0]} but the repository has no such file")
+            # With an index, the weights are exactly the shards it names (a stray consolidated copy is skipped).
+            names = sorted({n for n in names if not n.endswith(".safetensors")} | shards)
+        if "config.json" not in names:
+            raise _Failed("the repository has no config.json")
+        if not any(n.endswith(".safetensors") for n in names):
+            raise _Failed("the repository has no safetensors weights")
+        described = {n: etag_size_sha(n) for n in names}
+    except (KeyError, TypeError, ValueError) as e:
+        raise _Failed("the hub sent a file listing we could not read", repr(e)) from None
+
+    order = sorted(names, key=lambda n: (described[n][1], n))  # small files first: the shard is the long wait
+    files = [(n, described[n][1], described[n][2]) for n in order]
+    etags = {n: described[n][0] for n in order}
+    total = sum(size for _, size, _ in files)
+    have = sum(_have_bytes(_blob_path(cache, repo_id, etags[n]), size) for n, size, _ in files)
+    dest = cache / _repo_folder(repo_id) / "snapshots" / commit
+    return DownloadPlan(repo_id, revision, files, total, have, dest, commit, etags, cache)
+
+
+def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None) -> DownloadPlan:
+    """Ask the hub what the text model's files are (names, sizes, sha256) and what is already here.
+
+    Raises DownloadError (one sentence) when offline, when the hub cannot be reached after a few
+    retries, or when the repository does not look like a model.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else model_cache_dir()
+    try:
+        return _plan(repo_id, revision, cache, RetryPolicy(), _Progress(0, 0, _no_progress))
+    except _Failed as failure:
+        raise _download_error(repo_id, failure, cache, cli=False) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Downloading
+
+
+def _git_blob_id(path: Path) -> str:
+    """The id git gives a file's content: sha1 of "blob <size>\\0" + content (the hub's ETag of small files)."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    return _hash_file(path, digest)
+
+
+def _hash_file(path: Path, digest) -> str:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK * 8):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _verify(part: Path, size: int, sha256: Optional[str], etag: str) -> Optional[str]:
+    """Why part is not the file the hub described, or None when it is."""
+    actual = part.stat().st_size
+    if actual != size:
+        return f"has {actual} bytes instead of {size}"
+    if sha256 is not None:
+        return None if _hash_file(part, hashlib.sha256()) == sha256.lower() else "failed its sha256 check"
+    return None if _git_blob_id(part) == etag.lower() else "failed its checksum"
+
+
+def _fetch_once(hub: _Hub, url: str, part: Path, size: int, progress: _Progress) -> None:
+    """One GET appending to part from its current length; _Transient if it ends short."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > size:  # longer than the file can be: nothing in it is trustworthy
+        part.unlink()
+        progress.add(-size)
+        have = 0
+    if have == size:
+        return
+    received = 0
+    with hub.open(url, offset=have) as response:
+        start = 0
+        if have and response.status == 206:
+            match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+            start = int(match.group(1)) if match else -1
+        if start != have:
+            # The server ignored the Range (or answered another one): keep nothing, take its bytes from 0.
+            if start != 0:
+                raise _Transient("the server sent a byte range we did not ask for")
+            progress.add(-have)
+            have = 0
+        with open(part, "ab" if have else "wb") as out:
+            while True:
+                try:
+                    chunk = response.read1(_CHUNK)
+                except (OSError, http.client.HTTPException) as e:  # only the socket: a full disk is no retry
+                    failure = _connection_failure(e)
+                    if isinstance(failure, _Transient):
+                        failure.progressed = received > 0
+                    raise failure from None
+                if not chunk:
+                    break
+                out.write(chunk)
+                received += len(chunk)
+                progress.add(len(chunk))
+    if have + received < size:
+        raise _Transient("the connection dropped", progressed=received > 0)
+
+
+def _link(blob: Path, pointer: Path) -> None:
+    """snapshots/<commit>/<name> -> ../../blobs/<etag>, as huggingface_hub lays it out."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    if pointer.is_file() and pointer.resolve() == blob.resolve():
+        return
+    if pointer.exists() or pointer.is_symlink():
+        pointer.unlink()
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), pointer)
+    except OSError:  # no symlinks (Windows without developer mode): a hard link, else a copy
+        try:
+            os.link(blob, pointer)
+        except OSError:
+            shutil.copyfile(blob, pointer)
+
+
+def _write_ref(repo_dir: Path, revision: str, commit: str) -> None:
+    if _COMMIT_RE.match(revision) or _read_ref(repo_dir, revision) == commit:
+        return
+    ref = repo_dir / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref.with_name(ref.name + f".{os.getpid()}.tmp")
+    tmp.write_text(commit)
+    os.replace(tmp, ref)
+
+
+def _lock(cache: Path, repo_id: str, etag: str):
+    """The lock huggingface_hub takes for the same blob, so two downloaders never share a part file."""
+    from filelock import FileLock  # a huggingface_hub dependency
+
+    path = cache / ".locks" / _repo_folder(repo_id) / f"{etag}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path))
+
+
+def _fetch_file(plan: DownloadPlan, hub: _Hub, name: str, size: int, sha256: Optional[str],
+                policy: RetryPolicy, progress: _Progress) -> None:
+    cache = plan.cache_dir or model_cache_dir()
+    etag = plan.etags[name]
+    blob = _blob_path(cache, plan.repo_id, etag)
+    part = blob.with_name(blob.name + ".incomplete")
+    pointer = plan.dest / name
+    progress.file = name
+    if blob.is_file() and blob.stat().st_size == size:  # published blobs were verified before publishing
+        _link(blob, pointer)
+        return
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import Timeout
+
+    lock = _lock(cache, plan.repo_id, etag)
+    try:
+        lock.acquire(timeout=1.0)
+    except Timeout:
+        raise _Failed(f"another program is downloading {name} into {cache} right now") from None
+    try:
+        if blob.is_file() and blob.stat().st_size != size:
+            blob.unlink()  # a truncated blob from some earlier accident
+        url = hub.file_url(plan.repo_id, plan.commit, name)
+        for fetch in (1, 2):
+            _retrying(lambda: _fetch_once(hub, url, part, size, progress), policy, progress.on_retry)
+            progress.event("verify", f"Checking {name}.")
+            problem = _verify(part, size, sha256, etag)
+            if problem is None:
+                os.replace(part, blob)
+                break
+            part.unlink()
+            progress.add(-size)
+            if fetch == 2:
+                raise _Failed(f"{name} {problem} twice", f"{name}: {problem}")
+            progress.event("retry", f"{name} {problem}; downloading it again.")
+        _link(blob, pointer)
+    finally:
+        lock.release()
+
+
+def _download(plan: DownloadPlan, policy: RetryPolicy, progress: _Progress) -> Path:
+    cache = plan.cache_dir or model_cache_dir()
+    hub = _Hub(timeout=policy.stall_s)
+    progress.total, progress.done = plan.total_bytes, plan.have_bytes
+    progress.event("download", f"Downloading {len(plan.files)} files ({format_size(plan.total_bytes)}) to {plan.dest}.")
+    for name, size, sha256 in plan.files:
+        _fetch_file(plan, hub, name, size, sha256, policy, progress)
+    _write_ref(cache / _repo_folder(plan.repo_id), plan.revision, plan.commit)
+    progress.file = ""
+    progress.done = progress.total
+    return plan.dest
+
+
+def _done(plan: DownloadPlan, progress: _Progress) -> None:
+    progress.event("done", f"Downloaded {plan.repo_id} to {plan.dest}.")
+
+
+def download(plan: DownloadPlan, *, progress: Optional[Callable[[DownloadProgress], None]] = None,
+             retry: Optional[RetryPolicy] = None) -> Path:
+    """Fetch what plan lists, in this process; returns the snapshot folder. DownloadError on failure."""
+    tracker = _Progress(plan.total_bytes, plan.have_bytes, progress or _no_progress)
+    try:
+        dest = _download(plan, retry or RetryPolicy(), tracker)
+        _done(plan, tracker)
+        return dest
+    except _Failed as failure:
+        error = _download_error(plan.repo_id, failure, plan.cache_dir or model_cache_dir(), cli=False)
+        tracker.event("error", str(error))
+        raise error from None
+
+
+def resolve_model(model: str, *, offline: bool = False, progress: Optional[Callable[[DownloadProgress], None]] = None,
+                  retry: Optional[RetryPolicy] = None) -> Path:
+    """The folder to load model from: a local folder as given, else the hub id's cached or downloaded snapshot.
+
+    Downloads (in this process, progress events to `progress`) only when no complete copy is cached.
+    Offline (the flag or HF_HUB_OFFLINE=1) or a failed download raises DownloadError, one sentence
+    saying where to put the files instead.
+    """
+    if is_local_dir(model):
+        return Path(model).expanduser()  # existence is the loader's to check, with its own message
+    repo_id, revision = model, "main"
+    found = local_model_dir(repo_id, revision)
+    if found is not None:
+        return found
+    cache = model_cache_dir()
+    emit = progress or _no_progress
+    tracker = _Progress(0, 0, emit)
+    try:
+        if offline:
+            raise _Failed("offline mode is on")
+        plan = _plan(repo_id, revision, cache, retry or RetryPolicy(), tracker)
+        dest = _download(plan, retry or RetryPolicy(), tracker)
+        _done(plan, tracker)
+        return dest
+    except _Failed as failure:
+        error = _download_error(repo_id, failure, cache, cli=True)
+        tracker.event("error", str(error))
+        raise error from None
+    except KeyboardInterrupt:
+        tracker.event("cancelled", "Download cancelled; run again to resume where it stopped.")
+        raise
+
+
+# ------------------------------------------------------------------------------------------------
+# The download in a child process (the GUI's path: cancel = kill the child, partial files stay)
+
+
+def _watch_parent() -> None:
+    """Exit when the parent dies (a crashed GUI must not leave a download running forever)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _child_main(repo_id: str, revision: str, cache: str, policy: RetryPolicy, events) -> None:
+    # Our transfers are plain HTTP already; this keeps any hub code in this process off hf_xet too.
+    os.environ["HF_HUB_DISABLE_XET"] = "1"
+    _watch_parent()
+    progress = _Progress(0, 0, lambda event: events.put(("event", event)))
+    try:
+        plan = _plan(repo_id, revision, Path(cache), policy, progress)
+        dest = _download(plan, policy, progress)
+        events.put(("result", str(dest)))  # before "done": the parent stops reading at "done"
+        _done(plan, progress)
+    except _Failed as failure:
+        progress.event("error", _sentence(repo_id, failure.reason, Path(cache), cli=False))
+    except Exception as e:  # a bug or a disk error: one sentence for the GUI, the traceback on stderr
+        traceback.print_exc()
+        reason = "a full disk" if isinstance(e, OSError) and e.errno == errno.ENOSPC else f"unexpected {type(e).__name__}"
+        progress.event("error", _sentence(repo_id, reason, Path(cache), cli=False))
+
+
+class DownloadProcess:
+    """A download running in a spawned child process; the GUI polls it on a timer.
+
+    Single use: start() once; to retry or resume, make a new one (it continues the partial files).
+    """
+
+    def __init__(self, repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+                 retry: Optional[RetryPolicy] = None):
+        self.repo_id, self.revision = repo_id, revision
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.retry = retry or RetryPolicy()
+        self.result_dir: Optional[Path] = None
+        self.error: Optional[str] = None
+        self._process = None
+        self._events = None
+        self._finished = False
+        self._pending: list[DownloadProgress] = []
+        self._last = DownloadProgress("download")
+
+    def start(self) -> None:
+        if self._process is not None:
+            raise RuntimeError("a DownloadProcess starts once; create a new one to download again")
+        context = multiprocessing.get_context("spawn")  # no fork: the parent may hold Qt, CUDA and threads
+        cache = self.cache_dir or model_cache_dir()  # decided here so parent and child agree
+        self._events = context.Queue()
+        self._process = context.Process(target=_child_main, name="tritonchat-download", daemon=True,
+                                        args=(self.repo_id, self.revision, str(cache), self.retry, self._events))
+        self._process.start()
+
+    def _drain(self, wait_s: float = 0.0) -> list[DownloadProgress]:
+        out: list[DownloadProgress] = []
+        while not self._finished:
+            try:
+                kind, payload = self._events.get(timeout=wait_s) if wait_s else self._events.get_nowait()
+            except (queue_module.Empty, EOFError, OSError):
+                break
+            if kind == "result":
+                self.result_dir = Path(payload)
+                continue
+            out.append(payload)
+            self._last = payload
+            if payload.stage == "error":
+                self.error = payload.message
+            if payload.stage in ("done", "error"):
+                self._finish()
+        return out
+
+    def poll(self) -> list[DownloadProgress]:
+        """Events since the last poll, without blocking."""
+        events, self._pending = self._pending, []
+        if self._process is None or self._finished:
+            return events
+        events += self._drain()
+        if not self._finished and not self._process.is_alive():
+            events += self._drain(wait_s=0.2)  # what it sent just before exiting
+            if not self._finished:
+                code = self._process.exitcode
+                self.error = (f"The download stopped unexpectedly (exit code {code}); "
+                              f"start it again to resume where it stopped.")
+                events.append(DownloadProgress("error", self._last.done_bytes, self._last.total_bytes,
+                                               file=self._last.file, message=self.error))
+                self._finish()
+        return events
+
+    def cancel(self) -> None:
+        """Kill the child; partial files stay for the next download to resume. poll() then says "cancelled"."""
+        if self._process is None or self._finished:
+            return
+        self._pending += self._drain()  # before the kill, while every message is whole
+        if self._finished:
+            return
+        self._process.terminate()
+        self._process.join(5.0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
+        self._pending.append(DownloadProgress("cancelled", self._last.done_bytes, self._last.total_bytes,
+                                              file=self._last.file,
+                                              message="Download cancelled; it resumes where it stopped next time."))
+        self._finish()
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def _finish(self) -> None:
+        self._finished = True
+        if self._process is not None:
+            self._process.join(5.0)
+        if self._events is not None:
+            self._events.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Text for people
+
+
+def format_size(n: float) -> str:
+    """Decimal units, as the hub shows sizes: 1.75 GB, 786.4 MB, 12 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_eta(seconds: Optional[float]) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _bar_line(event: DownloadProgress, width: int = 24) -> str:
+    fraction = event.done_bytes / event.total_bytes if event.total_bytes else 0.0
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = int(fraction * width)
+    speed = f"{format_size(event.speed_bps)}/s" if event.speed_bps > 0 else "-- B/s"
+    return (f"Downloading {fraction * 100:5.1f}% [{'#' * filled}{'.' * (width - filled)}] "
+            f"{format_size(event.done_bytes)} / {format_size(event.total_bytes)}  {speed}  ETA {format_eta(event.eta_s)}")
+
+
+def cli_progress_printer(stream=None) -> Callable[[DownloadProgress], None]:
+    """A progress callback drawing one self-updating line (a terminal) or a line every few seconds (a log)."""
+    out = stream if stream is not None else sys.stderr
+    try:
+        tty = bool(out.isatty())
+    except (AttributeError, ValueError):
+        tty = False
+    interval = 0.1 if tty else 5.0
+    state = {"last": -math.inf, "width": 0}
+
+    def write_bar(line: str) -> None:
+        out.write("\r" + line.ljust(state["width"]))
+        state["width"] = len(line)
+
+    def end_line() -> None:
+        if state["width"]:
+            out.write("\n")
+            state["width"] = 0
+
+    def show(event: DownloadProgress) -> None:
+        now = time.monotonic()
+        if event.stage == "download":
+            if now - state["last"] < interval:
+                return
+            state["last"] = now
+            if tty:
+                write_bar(_bar_line(event))
+            else:
+                out.write(_bar_line(event) + "\n")
+        elif event.stage == "done":
+            if tty:
+                write_bar(_bar_line(event))
+                end_line()
+            out.write(event.message + "\n" if event.message else "")
+        elif event.stage == "verify":
+            return  # quick next to the transfer; the bar stays
+        else:  # retry, error, cancelled: a line of its own, the bar resumes below
+            end_line()
+            out.write(event.message + "\n")
+            state["last"] = -math.inf
+        out.flush()
+
+    return show

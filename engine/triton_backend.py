@@ -1,0 +1,476 @@
+"""The Triton backend: every decode operator is one of our kernels (tritonchat.kernels).
+
+Everything is allocated once at load: the merged weights, the static KV cache, the GDN conv and
+recurrent states, every activation buffer, split-K partials and sampler scratch. One decode step
+(`_decode_step`) allocates nothing and reads the token id and position from device tensors, so it
+is captured once into a CUDA graph and replayed until the context is full (engine/graph.py).
+
+Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_z|in_proj_b|in_proj_a -> one
+matrix; attention q_proj|k_proj|v_proj -> one; MLP gate_proj|up_proj -> one (SiLU*mul epilogue).
+The reference model keeps working on views into the merged matrices (used for prefill until the
+Triton prefill kernels take over, and as a cross-check).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .api import EngineOptions, SamplingParams
+from .backend import Backend
+from .config import FULL_ATTENTION, TextConfig
+from .errors import BackendUnavailableError, ContextFullError
+from .reference import ModelState, ReferenceModel, torch_dtype
+
+# The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
+# than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
+TOP_K_MAX = 1024
+
+
+@dataclass
+class _GdnLayer:
+    qkvzba: torch.Tensor      # [conv_dim + value_dim + 2*Hv, D]
+    conv_w: torch.Tensor      # [conv_dim, Kc]
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_w: torch.Tensor
+    out_proj: torch.Tensor
+
+
+@dataclass
+class _AttnLayer:
+    qkv: torch.Tensor         # [2*H*hd + 2*KV*hd, D]: q|gate interleaved per head, then k, then v
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    kind: str
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor     # [2I, D]
+    down: torch.Tensor        # [D, I]
+    mixer: object
+
+
+@dataclass
+class _Timer:
+    """Per-kernel GPU time of eager steps, by CUDA events (only while timing is on)."""
+    events: list = field(default_factory=list)     # (name, nbytes, start, end) of the current step
+    totals: dict = field(default_factory=dict)     # name -> [launches, seconds, bytes]
+    steps: int = 0
+    step_seconds: float = 0.0
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self, cfg: TextConfig, weights: dict[str, torch.Tensor], options: EngineOptions,
+                 valid_vocab: Optional[int] = None, progress: Optional[Callable[[str, float], None]] = None):
+        from tritonchat.kernels import gemv as gemv_mod  # noqa: F401  (import errors -> unavailable)
+        self.cfg = cfg
+        self.options = options
+        self.device = torch.device(options.device)
+        if self.device.type != "cuda":
+            import os
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise BackendUnavailableError(
+                    "The Triton backend needs a CUDA GPU; on the CPU it runs only under the Triton "
+                    "interpreter (set TRITON_INTERPRET=1, slow) -- use --backend reference.")
+        self.dtype = torch_dtype(options.dtype)
+        self.valid_vocab = min(valid_vocab or cfg.vocab_size, cfg.vocab_size)
+        self._progress = progress
+        self._pack_weights(weights)
+        self._allocate(options.max_context)
+        self._plans = {}
+        self._set_split_k(options.split_k)
+        self._timer: Optional[_Timer] = None
+        self._timing_interval_s = 0.5
+        self._last_timed = 0.0
+        self._graph = None
+        self._sampling_key = None
+        self._params = SamplingParams()
+        self._logits_valid = False
+        self._last_token: Optional[int] = None
+        if options.timing:
+            self.configure(timing=True)
+
+    # ------------------------------------------------------------------------ loading ----
+    def _pack_weights(self, w: dict[str, torch.Tensor]) -> None:
+        cfg = self.cfg
+        views: dict[str, torch.Tensor] = {}
+        self.layers: list[_Layer] = []
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()
+            I = cfg.intermediate_size
+            views[p + "mlp.gate_proj.weight"], views[p + "mlp.up_proj.weight"] = gate_up[:I], gate_up[I:]
+            views[p + "mlp.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
+            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                views[p + n] = w[p + n]
+            if kind == FULL_ATTENTION:
+                a = p + "self_attn."
+                parts = [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]
+                qkv = torch.cat(parts).contiguous()
+                o = 0
+                for name, t in zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"), parts):
+                    views[a + name] = qkv[o:o + t.shape[0]]
+                    o += t.shape[0]
+                for n in ("q_norm.weight", "k_norm.weight", "o_proj.weight"):
+                    views[a + n] = w[a + n]
+                mixer = _AttnLayer(qkv, w[a + "q_norm.weight"], w[a + "k_norm.weight"], w[a + "o_proj.weight"])
+            else:
+                g = p + "linear_attn."
+                names = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+                parts = [w[g + n] for n in names]
+                merged = torch.cat(parts).contiguous()
+                o = 0
+                for name, t in zip(names, parts):
+                    views[g + name] = merged[o:o + t.shape[0]]
+                    o += t.shape[0]
+                conv_w = w[g + "conv1d.weight"].reshape(cfg.conv_dim, cfg.linear_conv_kernel_dim).contiguous()
+                views[g + "conv1d.weight"] = conv_w.view(cfg.conv_dim, 1, -1)
+                for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+                    views[g + n] = w[g + n]
+                mixer = _GdnLayer(merged, conv_w, w[g + "A_log"], w[g + "dt_bias"].contiguous(),
+                                  w[g + "norm.weight"].contiguous(), w[g + "out_proj.weight"])
+            self.layers.append(_Layer(kind, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"],
+                                      gate_up, w[p + "mlp.down_proj.weight"], mixer))
+            for k in [k for k in w if k.startswith(p)]:
+                del w[k]                       # free the unmerged copies layer by layer
+            if self._progress:
+                self._progress("weights", (i + 1) / len(cfg.layer_types))
+        self.embed = w["embed_tokens.weight"]
+        self.lm_head_w = w["lm_head.weight"]
+        self.final_norm = w["norm.weight"]
+        views.update({"embed_tokens.weight": self.embed, "lm_head.weight": self.lm_head_w, "norm.weight": self.final_norm})
+        self.reference = ReferenceModel(self.cfg, views)
+
+    def _allocate(self, max_context: int) -> None:
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        self.options.max_context = int(max_context)
+        self.state = ModelState(cfg, max_context, dev, dt)
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        z = lambda *s, dtype=dt: torch.zeros(*s, device=dev, dtype=dtype)  # noqa: E731
+        self.tok_buf = torch.zeros(1, device=dev, dtype=torch.int64)
+        self.pos_buf = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.h = z(D)                                          # residual stream
+        self.x = z(D)                                          # normalised input of the next block
+        self.gdn_proj = z(cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads)
+        self.gdn_out = z(cfg.linear_value_dim)
+        self.attn_proj = z(2 * H * hd + 2 * KV * hd)
+        self.attn_out = z(H * hd)
+        self.act = z(I)
+        self.logits_buf = z(cfg.vocab_size, dtype=torch.float32)
+        from tritonchat.kernels import attention_decode as ad
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms)
+        self.attn_partials = z(ad.partials_numel(H, hd, self.attn_splits), dtype=torch.float32)
+        from tritonchat.kernels import sampling as S
+        self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
+        self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)
+        self.rng_state = torch.zeros(2, device=dev, dtype=torch.int64)     # [seed, step]
+        self.sample_scratch = torch.zeros(S.sample_scratch_numel(cfg.vocab_size, TOP_K_MAX), device=dev,
+                                          dtype=torch.int64)
+
+    def _set_split_k(self, enabled: bool) -> None:
+        from tritonchat.kernels import gemv as G
+        self.options.split_k = bool(enabled)
+        shapes = set()
+        for L in self.layers:
+            m = L.mixer
+            mats = [L.gate_up, L.down] + ([m.qkvzba, m.out_proj] if isinstance(m, _GdnLayer) else [m.qkv, m.o_proj])
+            shapes.update(tuple(t.shape) for t in mats)
+        shapes.add(tuple(self.lm_head_w.shape))
+        self._plans = {s: G.plan(s[0], s[1], bool(enabled)) for s in shapes}
+        lm = self._plans[tuple(self.lm_head_w.shape)]
+        self._plans[tuple(self.lm_head_w.shape)] = lm = G.plan(*self.lm_head_w.shape, False) if lm["split_k"] > 1 else lm
+        from tritonchat.kernels import sampling as S
+        self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(self.cfg.vocab_size, lm["block_n"]),
+                                            device=self.device, dtype=torch.int64)
+        need = max(G.partials_numel(s[0], p["split_k"]) for s, p in self._plans.items())
+        self.gemv_partials = torch.zeros(max(need, 1), device=self.device, dtype=torch.float32)
+        self._invalidate_graph()
+
+    # ------------------------------------------------------------------- kernel calls ----
+    def _launch(self, name: str, nbytes: int, fn, *args, **kw):
+        t = self._timer_active
+        if t is None:
+            return fn(*args, **kw)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args, **kw)
+        end.record()
+        t.events.append((name, nbytes, start, end))
+
+    _timer_active: Optional[_Timer] = None
+
+    def _gemv(self, name: str, x, W, out, *, residual=None, silu_mul=False):
+        from tritonchat.kernels.gemv import gemv
+        p = self._plans[tuple(W.shape)]
+        nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size() * (2 if residual is not None else 1)
+        self._launch(name, nbytes, gemv, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
+                     residual=residual, silu_mul=silu_mul, block_n=p["block_n"], block_k=p["block_k"],
+                     num_warps=p["num_warps"])
+
+    def _rms_norm(self, name: str, x, w, out):
+        from tritonchat.kernels.rms_norm import rms_norm
+        self._launch(name, x.numel() * x.element_size() * 2 + w.numel() * w.element_size(), rms_norm,
+                     x.view(1, -1), w, self.cfg.rms_norm_eps, out.view(1, -1))
+
+    # -------------------------------------------------------------- the decode step ----
+    def _layers_step(self) -> None:
+        """All layers for the token whose embedding is in self.h, at position pos_buf."""
+        from tritonchat.kernels.attention_decode import attention_decode
+        from tritonchat.kernels.gdn_decode import gdn_decode
+        cfg = self.cfg
+        for i, L in enumerate(self.layers):
+            self._rms_norm("rms_norm", self.h, L.input_norm, self.x)
+            m = L.mixer
+            if isinstance(m, _GdnLayer):
+                self._gemv("gemv_gdn_in_proj", self.x, m.qkvzba, self.gdn_proj)
+                qkvz_n = cfg.conv_dim + cfg.linear_value_dim
+                state_bytes = self.state.rec[i].numel() * 4 * 2 + self.state.conv[i].numel() * self.state.conv[i].element_size() * 2
+                self._launch("gdn_decode", state_bytes, gdn_decode, self.gdn_proj[:qkvz_n], self.gdn_proj[qkvz_n:],
+                             self.state.conv[i], m.conv_w, m.A_log, m.dt_bias, self.state.rec[i], m.norm_w,
+                             self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
+                             num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
+                             head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
+                self._gemv("gemv_gdn_out_proj", self.gdn_out, m.out_proj, self.h, residual=self.h)
+            else:
+                self._gemv("gemv_attn_qkv", self.x, m.qkv, self.attn_proj)
+                H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                q_n, kv_n = 2 * H * hd, KV * hd
+                kc, vc = self.state.kv[i]
+                # bytes: the KV read is position dependent; counted at the current length
+                kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
+                self._launch("attention_decode", kv_bytes, attention_decode,
+                             self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
+                             m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
+                             num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
+                             rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps, num_splits=self.attn_splits)
+                self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, residual=self.h)
+            self._rms_norm("rms_norm", self.h, L.post_norm, self.x)
+            self._gemv("gemv_mlp_gate_up_silu", self.x, L.gate_up, self.act, silu_mul=True)
+            self._gemv("gemv_mlp_down", self.act, L.down, self.h, residual=self.h)
+
+    def _head_step(self, sampled: bool) -> None:
+        """Final norm, LM head and the choice of the next token into tok_buf (no host sync)."""
+        from tritonchat.kernels import sampling as S
+        self._rms_norm("rms_norm", self.h, self.final_norm, self.x)
+        E = self.lm_head_w
+        p = self._plans[tuple(E.shape)]
+        nbytes = E.numel() * E.element_size()
+        if not sampled:
+            self._launch("lm_head_argmax", nbytes, S.lm_head_argmax, self.x, E, self.valid_vocab, self.logits_buf,
+                         self.tok_buf, self.lm_head_partials, block_n=p["block_n"], block_k=p["block_k"],
+                         num_warps=p["num_warps"])
+        else:
+            self._gemv("gemv_lm_head", self.x, E, self.logits_buf)
+            self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
+                         self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
+                         valid_vocab=self.valid_vocab, top_k_max=TOP_K_MAX)
+        self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf)
+
+    def _decode_step(self) -> None:
+        """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
+        from tritonchat.kernels.embedding import embedding_gather
+        self._launch("embedding_gather", self.h.numel() * self.h.element_size() * 2, embedding_gather,
+                     self.tok_buf, self.embed, self.h.view(1, -1))
+        self._layers_step()
+        self._head_step(self._sampling_key == "sample")
+        self.pos_buf.add_(1)
+
+    # -------------------------------------------------------------------- Backend API ----
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    def reset(self) -> None:
+        self.state.zero_()
+        self.pos_buf.zero_()
+        self._logits_valid = False
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> None:
+        ids = list(ids)
+        if self.state.length + len(ids) > self.options.max_context:
+            raise ContextFullError(
+                f"The conversation needs {self.state.length + len(ids)} tokens but the context holds "
+                f"{self.options.max_context}; start a new chat or raise the context length.")
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        h = self._prefill_hidden(ids_t)
+        self.state.length += len(ids)
+        self.pos_buf.fill_(self.state.length)
+        self.h.copy_(h)
+        self._pending_head = True
+        self._logits_valid = False
+
+    def _prefill_hidden(self, ids_t: torch.Tensor) -> torch.Tensor:
+        """Pre-final-norm hidden state of the last prompt token; fills the caches/states."""
+        from . import triton_prefill
+        return triton_prefill.prefill_hidden(self, ids_t)
+
+    def decode(self, token_id: int) -> None:
+        self._ensure_sampler_mode()
+        self.tok_buf.fill_(int(token_id))
+        self._run_decode()
+
+    def logits(self) -> torch.Tensor:
+        if getattr(self, "_pending_head", False):
+            self._ensure_sampler_mode()
+            with torch.inference_mode():
+                self._timed(lambda: self._head_step(self._sampling_key == "sample"))
+            self._pending_head = False
+            self._sampled_pending = True
+        return self.logits_buf
+
+    def begin_sampling(self, params: SamplingParams, history_ids: Sequence[int]) -> None:
+        from tritonchat.kernels import sampling as S
+        self._params = params
+        self.sampler_params.copy_(torch.tensor(S.params_from_sampling(params), dtype=torch.float32))
+        self.counts.zero_()
+        if len(history_ids):
+            ids = torch.as_tensor(list(history_ids), dtype=torch.long, device=self.device)
+            self.counts[0] += torch.bincount(ids.clamp(0, self.cfg.vocab_size - 1),
+                                             minlength=self.cfg.vocab_size).to(torch.int32)
+        seed = params.seed if params.seed is not None else (time.time_ns() & 0x7FFFFFFF)
+        self.rng_state.copy_(torch.tensor([int(seed), 0], dtype=torch.int64))
+        self._ensure_sampler_mode()
+
+    def _ensure_sampler_mode(self) -> None:
+        p = self._params
+        plain_greedy = p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+        key = "argmax" if plain_greedy else "sample"
+        if key != self._sampling_key:
+            self._sampling_key = key
+            self._invalidate_graph()
+
+    def sample(self) -> int:
+        if getattr(self, "_pending_head", False):
+            self.logits()
+        tok = int(self.tok_buf.item())
+        self._last_token = tok
+        return tok
+
+    def step(self, token_id: int) -> int:
+        self._ensure_sampler_mode()
+        if token_id != self._last_token:
+            self.tok_buf.fill_(int(token_id))
+        self._run_decode()
+        return self.sample()
+
+    def _run_decode(self) -> None:
+        if self.state.length >= self.options.max_context:
+            raise ContextFullError(f"The context of {self.options.max_context} tokens is full.")
+        with torch.inference_mode():
+            if self._timer is not None and time.perf_counter() - self._last_timed >= self._timing_interval_s:
+                self._timed(self._decode_step, count_step=True)
+                self._last_timed = time.perf_counter()
+            elif self.options.graph and self.device.type == "cuda":
+                from .graph import replay_or_capture
+                replay_or_capture(self)
+            else:
+                self._decode_step()
+        self.state.length += 1
+        self._pending_head = False
+        self._logits_valid = True
+
+    # ---------------------------------------------------------------------- snapshots ----
+    def snapshot(self):
+        return self.state.snapshot()
+
+    def restore(self, snap) -> None:
+        self.state.restore(snap)
+        self.pos_buf.fill_(self.state.length)
+        self._pending_head = False
+
+    # ------------------------------------------------------------------ switches/timing ----
+    def _invalidate_graph(self) -> None:
+        self._graph = None
+
+    def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
+                  timing: Optional[bool] = None) -> None:
+        if split_k is not None and bool(split_k) != self.options.split_k:
+            self._set_split_k(bool(split_k))
+        if graph is not None and bool(graph) != self.options.graph:
+            self.options.graph = bool(graph)
+            self._invalidate_graph()
+        if timing is not None:
+            self.options.timing = bool(timing)
+            self._timer = _Timer() if timing else None
+            self._last_timed = 0.0
+
+    def set_max_context(self, n: int) -> None:
+        self._graph = None
+        del self.state
+        torch.cuda.empty_cache() if self.device.type == "cuda" else None
+        self._allocate(int(n))
+        self._set_split_k(self.options.split_k)
+
+    def _timed(self, fn, count_step: bool = False) -> None:
+        t = self._timer
+        if t is None or self.device.type != "cuda":
+            fn()
+            return
+        t.events = []
+        self._timer_active = t
+        try:
+            fn()
+        finally:
+            self._timer_active = None
+        torch.cuda.synchronize(self.device)
+        if not count_step:
+            return
+        step_s = 0.0
+        for name, nbytes, s, e in t.events:
+            dt = s.elapsed_time(e) * 1e-3
+            row = t.totals.setdefault(name, [0, 0.0, 0])
+            row[0] += 1
+            row[1] += dt
+            row[2] += nbytes
+            step_s += dt
+        t.steps += 1
+        t.step_seconds += step_s
+
+    def kernel_timings(self) -> Optional[list[dict]]:
+        t = self._timer
+        if t is None or t.steps == 0:
+            return None
+        rows = []
+        for name, (n, sec, nbytes) in t.totals.items():
+            rows.append({"name": name, "launches_per_token": n / t.steps, "us_per_token": sec / t.steps * 1e6,
+                         "share": sec / t.step_seconds if t.step_seconds else 0.0,
+                         "gb_s": nbytes / sec / 1e9 if sec else 0.0})
+        rows.sort(key=lambda r: -r["us_per_token"])
+        return rows
+
+    def reset_timings(self) -> None:
+        if self._timer is not None:
+            self._timer = _Timer()
+
+    def measure_roofline(self) -> dict:
+        from .bench import measure_hbm_read
+        nbytes = self.cfg.decode_bytes_per_token(self.embed.element_size())
+        gb_s = measure_hbm_read(nbytes, self.device)
+        return {"gb_s": gb_s, "bytes_per_token": nbytes}
+
+    def memory_info(self) -> dict:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "total_bytes": total}
+        return {}
+
+    def close(self) -> None:
+        self._graph = None
+        self.layers = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

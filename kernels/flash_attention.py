@@ -1,0 +1,240 @@
+"""Gated full attention for a prompt chunk: q/k RMSNorm, partial RoPE, KV-cache write, causal
+GQA flash attention over the whole cached history, sigmoid output gate (spec section 5).
+
+For new tokens t = 0..T-1 at positions p = start_pos + t, head h, kv head h // (H / Hkv):
+
+    q, g      = qg[t, h*2hd : h*2hd+hd], qg[t, h*2hd+hd : (h+1)*2hd]
+    x'        = round(x32 * rsqrt(mean(x32^2) + eps) * (1 + w))            for x in {q, k}
+    rope(x')  = [x'_r * cos + rot_half(x'_r) * sin, x'_pass],  x'_r = x'[:rotary_dim]
+                 angle_j = p * theta^(-2j/rotary_dim), cos/sin rounded to the dtype
+    k_cache[kv, p], v_cache[kv, p] = rope(k'), v
+    o         = softmax_{s <= p}(q . K_s * hd^-0.5) V                       fp32 online softmax
+    out[t, h] = round(o) * round(sigmoid(g))
+
+Two launches: the K/V pass writes the cache (every query block reads keys written by other
+programs), then the attention pass normalises and rotates its queries on load. The output is
+allocated by the caller.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _norm_rope_tile(src_ptr, rows, row_mask, row_stride, col_base, pos, w_ptr, inv_freq_ptr, eps,
+                    HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr):
+    """Load x[rows, col_base : col_base+HD], apply the zero-centred RMSNorm and partial
+    rotate-half RoPE with HF's roundings; returns the tile in the source dtype ([BT, HDP])."""
+    dtype = src_ptr.dtype.element_ty
+    cols = tl.arange(0, HDP)
+    in_head = cols < HD
+    # partner column of rot_half: (c + rot/2) mod rot inside the rotary part, itself elsewhere
+    is_rot = cols < ROT
+    partner = tl.where(is_rot, tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2), cols)
+    sign = tl.where(cols < ROT // 2, -1.0, 1.0)
+    ptrs = src_ptr + rows.to(tl.int64)[:, None] * row_stride + col_base
+    m = row_mask[:, None] & in_head[None, :]
+    x = tl.load(ptrs + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(ptrs + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
+    w1 = 1.0 + tl.load(w_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
+    w1p = 1.0 + tl.load(w_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
+    xn = (x * rstd[:, None] * w1[None, :]).to(dtype).to(tl.float32)
+    xpn = (xp * rstd[:, None] * w1p[None, :]).to(dtype).to(tl.float32)
+    # emb = [angles, angles]: column c uses frequency c mod rot/2
+    inv_freq = tl.load(inv_freq_ptr + (cols % (ROT // 2)), mask=is_rot, other=0.0)
+    ang = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+    cos = tl.cos(ang).to(dtype).to(tl.float32)
+    sin = tl.sin(ang).to(dtype).to(tl.float32)
+    rot = (xn * cos).to(dtype).to(tl.float32) + (sign[None, :] * xpn * sin).to(dtype).to(tl.float32)
+    return tl.where(is_rot[None, :], rot, xn).to(dtype)
+
+
+@triton.jit
+def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+                           T, start_pos, max_ctx, stride_k, stride_v, eps,
+                           HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+    pid_t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    pos = start_pos + rows
+    cols = tl.arange(0, HDP)
+    m = row_mask[:, None] & (cols < HD)[None, :]
+    k = _norm_rope_tile(k_ptr, rows, row_mask, stride_k, kvh * HD, pos, k_norm_w_ptr,
+                        inv_freq_ptr, eps, HD, HDP, ROT)
+    v = tl.load(v_ptr + rows.to(tl.int64)[:, None] * stride_v + kvh * HD + cols[None, :], mask=m)
+    cache_rows = (kvh.to(tl.int64) * max_ctx + pos)[:, None] * HD + cols[None, :]
+    tl.store(k_cache_ptr + cache_rows, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+    tl.store(v_cache_ptr + cache_rows, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_len, pos,
+                  qk_scale, HD: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL_MASK: tl.constexpr):
+    """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HDP)
+    kv_ptrs = (kv_base + offs_n.to(tl.int64))[:, None] * HD + cols[None, :]
+    if CAUSAL_MASK:
+        kv_mask = (offs_n < kv_len)[:, None] & (cols < HD)[None, :]
+    else:
+        kv_mask = (cols < HD)[None, :]
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if CAUSAL_MASK:
+        visible = (offs_n[None, :] <= pos[:, None]) & (offs_n < kv_len)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+                              out_ptr, T, start_pos, max_ctx, stride_qg, stride_o, qk_scale, eps,
+                              GROUP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+                              ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < T
+    pos = start_pos + rows
+    cols = tl.arange(0, HDP)
+    q = _norm_rope_tile(qg_ptr, rows, row_mask, stride_qg, h * 2 * HD, pos, q_norm_w_ptr,
+                        inv_freq_ptr, eps, HD, HDP, ROT)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HDP), dtype=tl.float32)
+    kv_base = kvh.to(tl.int64) * max_ctx
+    kv_len = start_pos + T
+    # keys before the block's first position are visible to every row: no mask needed
+    first_pos = start_pos + pid_m * BLOCK_M
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
+                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, False)
+    diag_end = tl.minimum(first_pos + BLOCK_M, kv_len)
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
+                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, True)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    dtype = out_ptr.dtype.element_ty
+    o = (acc / l_i[:, None]).to(dtype).to(tl.float32)
+    m = row_mask[:, None] & (cols < HD)[None, :]
+    gate = tl.load(qg_ptr + rows.to(tl.int64)[:, None] * stride_qg + h * 2 * HD + HD + cols[None, :],
+                   mask=m, other=0.0).to(tl.float32)
+    y = o * tl.sigmoid(gate).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + h * HD + cols[None, :],
+             y.to(dtype), mask=m)
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(rotary_dim: int, rope_theta: float, device: torch.device) -> torch.Tensor:
+    """theta^(-2j/rotary_dim) in fp32, built the way HF builds it (so angles match bit for bit)."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return (1.0 / (rope_theta ** exps)).to(device)
+
+
+def _attention_config(T: int, head_dim_pad: int) -> dict:
+    """Static tiles: the fp32 accumulator is BLOCK_M x head_dim, so wide heads take a
+    shorter query tile; short prompts take a short query tile to keep more programs busy."""
+    if head_dim_pad >= 256:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    if T <= 16:
+        cfg["BLOCK_M"] = 16
+    elif T <= 32:
+        cfg["BLOCK_M"] = 32
+    elif T <= 64:
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    return cfg
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> None:
+    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
+        raise ValueError(f"{name} must have shape [{rows}, {cols}], got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+
+def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+                      out: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                      rotary_dim: int, rope_theta: float, eps: float) -> torch.Tensor:
+    """Gated attention for T new tokens at positions start_pos.. (see module docstring).
+
+    qg [T, H*2*hd] (per-head [query | gate]), k, v [T, Hkv*hd] (rows may be strided views),
+    q_norm_w, k_norm_w [hd], k_cache, v_cache [Hkv, max_ctx, hd] contiguous (written at the new
+    positions), out [T, H*hd] (allocated by the caller). Returns out.
+    """
+    H, Hkv, hd = num_heads, num_kv_heads, head_dim
+    if min(H, Hkv, hd) <= 0 or H % Hkv:
+        raise ValueError("num_heads must be a positive multiple of num_kv_heads")
+    if rotary_dim % 2 or not 0 < rotary_dim <= hd:
+        raise ValueError("rotary_dim must be even and within head_dim")
+    if qg.dim() != 2:
+        raise ValueError("qg must be [T, num_heads*2*head_dim]")
+    T = qg.shape[0]
+    dt = qg.dtype
+    if dt not in _DTYPES:
+        raise TypeError(f"attention_prefill supports {_DTYPES}, got {dt}")
+    _check_rows("qg", qg, T, H * 2 * hd, dt)
+    _check_rows("k", k, T, Hkv * hd, dt)
+    _check_rows("v", v, T, Hkv * hd, dt)
+    _check_rows("out", out, T, H * hd, dt)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[0] != Hkv or c.shape[2] != hd or not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [{Hkv}, max_ctx, {hd}]")
+        if c.dtype != dt:
+            raise TypeError(f"{name} must be {dt}")
+    for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
+        if w.dim() != 1 or w.shape[0] != hd or not w.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous vector of {hd}")
+    max_ctx = k_cache.shape[1]
+    if v_cache.shape[1] != max_ctx:
+        raise ValueError("k_cache and v_cache must have the same max_ctx")
+    start_pos = int(start_pos)
+    if start_pos < 0 or start_pos + T > max_ctx:
+        raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed the cache ({max_ctx})")
+    if T == 0:
+        return out
+
+    hdp = max(16, triton.next_power_of_2(hd))
+    inv_freq = _inv_freq(rotary_dim, float(rope_theta), qg.device)
+    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    _kv_cache_write_kernel[(triton.cdiv(T, block_t), Hkv)](
+        k, v, k_norm_w, inv_freq, k_cache, v_cache, T, start_pos, max_ctx,
+        k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
+        num_warps=4)
+    cfg = _attention_config(T, hdp)
+    qk_scale = hd ** -0.5 * _LOG2E                        # softmax in the exp2 domain
+    _attention_prefill_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), H)](
+        qg, q_norm_w, inv_freq, k_cache, v_cache, out, T, start_pos, max_ctx,
+        qg.stride(0), out.stride(0), qk_scale, eps,
+        GROUP=H // Hkv, HD=hd, HDP=hdp, ROT=rotary_dim,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,425 @@
+"""Everything after the final norm, on the GPU, with no host round-trip.
+
+`lm_head_argmax`: logits = E h (tied embedding [V, D]) in fp32, with a per-row-block argmax
+fused in the GEMV epilogue and a one-program reduce to the greedy token.
+
+`sample_from_logits`: penalties, temperature, top-k, top-p, min-p and a Philox draw, with every
+setting read from a small device tensor (`params`) so one captured CUDA graph serves any
+settings. Semantics (HF order, with precise tie rules):
+
+  1. l = logits; ids >= valid_vocab are never chosen.
+  2. repetition r (HF):  l = l * r if l < 0 else l / r, for ids seen in context + generated.
+  3. presence x:         l = l - x, for ids seen in the generated tokens.
+  4. greedy (flag set or temperature <= 0): the argmax of l (lowest id on ties). Done.
+  5. sort l descending, ties by lower id; p_i = exp((l_i - l_0) / T) (probabilities up to norm).
+  6. top-k (k >= 1): keep ranks i with l_i >= l_{k-1} (ties with the k-th are kept, as HF).
+  7. top-p: P = p / sum(p over kept); keep rank i iff sum_{j < i, kept} P_j < top_p.
+  8. min-p: keep rank i iff p_i >= min_p * p_0 (relative to the most likely token).
+  9. rank 0 is always kept; draw from p over the kept ranks (inverse CDF, one uniform).
+
+Candidate cap (documented approximation): steps 5-9 run over the top `top_k_max` ids (rounded
+up to a power of two). top_k larger than that is clamped to it; with top_k = 0 (off) and
+top_p < 1 or min_p > 0 the nucleus is searched within those ids. Everything else is exact, and
+plain temperature sampling (top_k = 0, top_p = 1, min_p = 0) is exact over the whole vocab via
+Gumbel-max: argmax_v (l_v / T - log(-log u_v)).
+
+Pipeline (all launches fixed at capture time; a path that the params do not select exits at
+once): a prepare kernel over vocab blocks (penalties; per-block sorted top-KC keys or per-block
+Gumbel maxima), 0+ merge levels that keep the top KC of groups of candidates, and a one-program
+final kernel that draws and advances the step counter. Candidates are int64 keys
+(order-preserving float bits << 32 | ~id), so one sort orders by value then lower id.
+
+The random stream: `seed_offset` = int64 device tensor [seed, step]; draw d of a call uses the
+Philox counter (step + d) << 32 | lane and the final kernel adds the number of draws to step.
+`token_out` may hold n > 1 elements: n independent draws from the same distribution (the tests
+use this; the engine draws one).
+
+`counts`: int32 [V] occurrences in the whole history (both penalties use it), or int32 [2, V]
+with row 0 = context (prompt) occurrences and row 1 = generated occurrences (repetition sees
+both rows, presence only row 1). `update_counts(counts, token)` adds the new token to the last
+row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gemv as _gemv
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# layout of the `params` device tensor (float32)
+P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_REPETITION, P_GREEDY = range(7)
+NUM_PARAMS = 7
+# the "no candidate" key: below every real key, unpacks to (-inf, id -1)
+_NEG_INF_ORDERED = -2139095041            # order-preserving int32 of the bits of -inf
+KEY_EMPTY = _NEG_INF_ORDERED * (1 << 32)
+_KEY_EMPTY = tl.constexpr(KEY_EMPTY)
+
+
+def params_list(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, presence_penalty: float = 0.0,
+                repetition_penalty: float = 1.0, greedy: bool = False) -> list[float]:
+    """The NUM_PARAMS floats of the `params` tensor, in order."""
+    vals = [0.0] * NUM_PARAMS
+    vals[P_TEMPERATURE] = float(temperature)
+    vals[P_TOP_K] = float(max(0, int(top_k)))
+    vals[P_TOP_P] = float(top_p)
+    vals[P_MIN_P] = float(min_p)
+    vals[P_PRESENCE] = float(presence_penalty)
+    vals[P_REPETITION] = float(repetition_penalty)
+    vals[P_GREEDY] = 1.0 if greedy else 0.0
+    return vals
+
+
+def params_from_sampling(sp) -> list[float]:
+    """params_list from an engine.api.SamplingParams."""
+    return params_list(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
+                       sp.repetition_penalty, sp.is_greedy)
+
+
+# ------------------------------------------------------------------------------------------
+# key packing: (value, id) -> int64 whose signed order is (value, then lower id)
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pack(val, idx):
+    bits = (val + 0.0).to(tl.int32, bitcast=True)          # + 0.0 folds -0.0 into +0.0
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
+
+
+@triton.jit
+def _unpack_val(key):
+    ordered = (key >> 32).to(tl.int32)
+    bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_idx(key):
+    return (4294967295 - (key & 4294967295)).to(tl.int32)
+
+
+# ------------------------------------------------------------------------------------------
+# LM head + greedy argmax
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lm_head_kernel(h_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, stride_e,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < V
+    acc = _gemv._gemv_rows(h_ptr, e_ptr, rows, row_mask, stride_e, 0, K,
+                           BLOCK_N, BLOCK_K, MASK_N, MASK_K)
+    tl.store(logits_ptr + rows, acc, mask=row_mask)
+    keys = tl.where(rows < VALID, _pack(acc, rows), _KEY_EMPTY)
+    tl.store(part_ptr + pid, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _argmax_keys_kernel(part_ptr, n, token_ptr, BLOCK: tl.constexpr):
+    best = tl.full((BLOCK,), _KEY_EMPTY, dtype=tl.int64)
+    for i0 in range(0, n, BLOCK):
+        offs = i0 + tl.arange(0, BLOCK)
+        best = tl.maximum(best, tl.load(part_ptr + offs, mask=offs < n,
+                                        other=_KEY_EMPTY))
+    tok = _unpack_idx(tl.max(best, axis=0))
+    tl.store(token_ptr, tok.to(token_ptr.dtype.element_ty))
+
+
+def lm_head_partials_numel(vocab: int, block_n: int) -> int:
+    """int64 elements of the per-block argmax scratch of lm_head_argmax."""
+    return triton.cdiv(vocab, block_n)
+
+
+def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
+                   logits_out: torch.Tensor, token_out: torch.Tensor, partials: torch.Tensor,
+                   *, block_n: Optional[int] = None, block_k: Optional[int] = None,
+                   num_warps: Optional[int] = None) -> torch.Tensor:
+    """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
+    ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
+    int64 with >= lm_head_partials_numel(V, block_n) elements. Returns token_out."""
+    if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
+        raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
+    V, D = E.shape
+    if h.numel() != D or not h.is_contiguous() or h.dtype not in _DTYPES:
+        raise ValueError(f"lm_head_argmax: h must be a contiguous [{D}] float vector")
+    if not 1 <= int(valid_vocab) <= V:
+        raise ValueError(f"lm_head_argmax: valid_vocab must be in 1..{V}")
+    if (logits_out.numel() != V or logits_out.dtype != torch.float32
+            or not logits_out.is_contiguous()):
+        raise ValueError(f"lm_head_argmax: logits_out must be a contiguous float32 [{V}]")
+    if token_out.numel() < 1 or token_out.dtype not in (torch.int32, torch.int64):
+        raise ValueError("lm_head_argmax: token_out must be an int32/int64 tensor")
+    if block_n is None or block_k is None or num_warps is None:
+        p = _gemv.plan(V, D, False)
+        block_n, block_k, num_warps = (block_n or p["block_n"], block_k or p["block_k"],
+                                       num_warps or p["num_warps"])
+    nb = triton.cdiv(V, block_n)
+    if partials.dtype != torch.int64 or partials.numel() < nb or not partials.is_contiguous():
+        raise ValueError(f"lm_head_argmax: partials must be contiguous int64 with >= {nb} "
+                         "elements")
+    for t in (E, logits_out, token_out, partials):
+        if t.device != h.device:
+            raise ValueError("lm_head_argmax: all tensors must be on one device")
+    _lm_head_kernel[(nb,)](h, E, logits_out, partials, V, int(valid_vocab), D, E.stride(0),
+                           BLOCK_N=block_n, BLOCK_K=block_k, MASK_N=V % block_n != 0,
+                           MASK_K=D % block_k != 0, num_warps=num_warps)
+    _argmax_keys_kernel[(1,)](partials, nb, token_out,
+                              BLOCK=min(1024, triton.next_power_of_2(nb)), num_warps=4)
+    return token_out
+
+
+# ------------------------------------------------------------------------------------------
+# sampling
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _modes(params_ptr):
+    """(is_greedy, use_gumbel) from the params tensor."""
+    temperature = tl.load(params_ptr + 0)
+    top_k = tl.load(params_ptr + 1)
+    top_p = tl.load(params_ptr + 2)
+    min_p = tl.load(params_ptr + 3)
+    greedy = (tl.load(params_ptr + 6) != 0.0) | (temperature <= 0.0)
+    gumbel = (~greedy) & (top_k < 1.0) & (top_p >= 1.0) & (min_p <= 0.0)
+    return greedy, gumbel
+
+
+@triton.jit
+def _sample_prepare_kernel(logits_ptr, counts_ptr, params_ptr, seed_ptr, cand_ptr, gum_ptr,
+                           V, VALID, N_DRAWS, NB,
+                           TWO_ROWS: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr,
+                           DRAW_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = offs < VALID
+    l = tl.load(logits_ptr + offs, mask=valid, other=float("-inf"))
+    if TWO_ROWS:
+        c_gen = tl.load(counts_ptr + V + offs, mask=valid, other=0)
+        seen = (tl.load(counts_ptr + offs, mask=valid, other=0) + c_gen) > 0
+        generated = c_gen > 0
+    else:
+        seen = tl.load(counts_ptr + offs, mask=valid, other=0) > 0
+        generated = seen
+    rep = tl.load(params_ptr + 5)
+    l = tl.where(seen, tl.where(l < 0.0, l * rep, l / rep), l)
+    l = tl.where(generated, l - tl.load(params_ptr + 4), l)
+    l = tl.where(valid, l, float("-inf"))
+
+    greedy, gumbel = _modes(params_ptr)
+    if gumbel:
+        # exact temperature sampling: per block and draw, argmax of l/T + Gumbel noise
+        seed = tl.load(seed_ptr)
+        step = tl.load(seed_ptr + 1)
+        draws = pid_d * DRAW_BLOCK + tl.arange(0, DRAW_BLOCK)
+        ctr = ((step + draws.to(tl.int64)) << 32)[:, None] | offs.to(tl.int64)[None, :]
+        u = tl.rand(seed, ctr)
+        z = l[None, :] / tl.load(params_ptr + 0) - tl.log(-tl.log(u))
+        keys = tl.where(valid[None, :], _pack(z, offs[None, :]), _KEY_EMPTY)
+        tl.store(gum_ptr + draws.to(tl.int64) * NB + pid, tl.max(keys, axis=1),
+                 mask=draws < N_DRAWS)
+    else:
+        if pid_d == 0:
+            # this block's KC best (value, lower id) keys, best first
+            keys = tl.sort(_pack(l, offs), descending=True)
+            r = tl.arange(0, BLOCK_V)
+            tl.store(cand_ptr + pid * KC + r, keys, mask=r < KC)
+
+
+@triton.jit
+def _topk_merge_kernel(in_ptr, n_in, out_ptr, params_ptr,
+                       KC: tl.constexpr, CHUNK: tl.constexpr):
+    # one group of CHUNK candidate keys -> its KC best, best first
+    greedy, gumbel = _modes(params_ptr)
+    if not gumbel:
+        pid = tl.program_id(0)
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        keys = tl.load(in_ptr + offs, mask=offs < n_in, other=_KEY_EMPTY)
+        keys = tl.sort(keys, descending=True)
+        r = tl.arange(0, CHUNK)
+        tl.store(out_ptr + pid * KC + r, keys, mask=r < KC)
+
+
+@triton.jit
+def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, token_ptr,
+                         N_DRAWS, KC: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_NB: tl.constexpr, DRAW_BLOCK: tl.constexpr):
+    greedy, gumbel = _modes(params_ptr)
+    seed = tl.load(seed_ptr)
+    step = tl.load(seed_ptr + 1)
+    out_ty = token_ptr.dtype.element_ty
+    if gumbel:
+        nb = tl.arange(0, BLOCK_NB)
+        for d0 in range(0, N_DRAWS, DRAW_BLOCK):
+            draws = d0 + tl.arange(0, DRAW_BLOCK)
+            dm = draws < N_DRAWS
+            keys = tl.load(gum_ptr + draws.to(tl.int64)[:, None] * NB + nb[None, :],
+                           mask=dm[:, None] & (nb < NB)[None, :], other=_KEY_EMPTY)
+            tl.store(token_ptr + draws, _unpack_idx(tl.max(keys, axis=1)).to(out_ty), mask=dm)
+    else:
+        rank = tl.arange(0, CHUNK)
+        keys = tl.load(cand_ptr + rank, mask=rank < n_cand, other=_KEY_EMPTY)
+        keys = tl.sort(keys, descending=True)
+        vals = _unpack_val(keys)
+        ids = _unpack_idx(keys)
+        in_kc = rank < KC
+        v_top = tl.max(vals, axis=0)
+        if greedy:
+            n_pos = 1
+            w = tl.where(rank == 0, 1.0, 0.0)
+        else:
+            temperature = tl.load(params_ptr + 0)
+            top_k = tl.load(params_ptr + 1).to(tl.int32)
+            top_p = tl.load(params_ptr + 2)
+            min_p = tl.load(params_ptr + 3)
+            k_eff = tl.where(top_k >= 1, tl.minimum(top_k, KC), KC)
+            v_kth = tl.sum(tl.where(rank == k_eff - 1, vals, 0.0), axis=0)
+            keep = in_kc & (vals >= v_kth)                                   # top-k, ties kept
+            pw = tl.where(keep, tl.exp((vals - v_top) / temperature), 0.0)   # p_i / p_0
+            prob = pw / tl.sum(pw, axis=0)
+            before = tl.cumsum(prob, axis=0) - prob                          # mass ranked above
+            keep = keep & ((before < top_p) | (rank == 0))                   # top-p
+            keep = keep & ((pw >= min_p) | (rank == 0))                      # min-p
+            w = tl.where(keep, pw, 0.0)
+            n_pos = tl.sum((w > 0.0).to(tl.int32), axis=0)                  # kept set = prefix
+        cum = tl.cumsum(w, axis=0)
+        total = tl.sum(w, axis=0)
+        for d0 in range(0, N_DRAWS, DRAW_BLOCK):
+            draws = d0 + tl.arange(0, DRAW_BLOCK)
+            u = tl.rand(seed, (step + draws.to(tl.int64)) << 32)
+            r = u * total
+            chosen = tl.sum(((cum[None, :] <= r[:, None]) & (rank < n_pos)[None, :]).to(tl.int32),
+                            axis=1)
+            chosen = tl.minimum(chosen, n_pos - 1)
+            tok = tl.sum(tl.where(rank[None, :] == chosen[:, None], ids[None, :], 0), axis=1)
+            tl.store(token_ptr + draws, tok.to(out_ty), mask=draws < N_DRAWS)
+    tl.store(seed_ptr + 1, step + N_DRAWS)
+
+
+@triton.jit
+def _update_counts_kernel(counts_ptr, token_ptr, row_offset):
+    tok = tl.load(token_ptr).to(tl.int64)
+    c = tl.load(counts_ptr + row_offset + tok)
+    tl.store(counts_ptr + row_offset + tok, c + 1)
+
+
+def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
+                block_v: Optional[int] = None, merge_chunk: Optional[int] = None) -> dict:
+    """Launch geometry of sample_from_logits (fixed per vocab/top_k_max/n_draws) and the
+    int64 scratch it needs: dict(kc, block_v, nb, chunk, levels=[(n_in, programs, in_off,
+    out_off)], final_off, n_final, gum_off, draw_block, scratch_numel)."""
+    kc = triton.next_power_of_2(max(1, int(top_k_max)))
+    if block_v is None:
+        block_v = max(2 * kc, min(4096, triton.next_power_of_2(vocab)))
+    if merge_chunk is None:
+        merge_chunk = max(2 * kc, 4096)
+    if block_v < kc or block_v & (block_v - 1):
+        raise ValueError("sample_plan: block_v must be a power of two >= top_k_max")
+    if merge_chunk < 2 * kc or merge_chunk & (merge_chunk - 1):
+        raise ValueError("sample_plan: merge_chunk must be a power of two >= 2 * top_k_max")
+    nb = triton.cdiv(vocab, block_v)
+    draw_block = min(triton.next_power_of_2(n_draws), max(1, 4096 // block_v))
+    gum_off, off = 0, n_draws * nb
+    n, in_off = nb * kc, off
+    off += n
+    levels = []
+    while n > merge_chunk:
+        programs = triton.cdiv(n, merge_chunk)
+        levels.append((n, programs, in_off, off))
+        in_off, n = off, programs * kc
+        off += n
+    return dict(kc=kc, block_v=block_v, nb=nb, chunk=merge_chunk, levels=levels,
+                final_off=in_off, n_final=n, gum_off=gum_off, draw_block=draw_block,
+                scratch_numel=off)
+
+
+def sample_scratch_numel(vocab: int, top_k_max: int, n_draws: int = 1, **kw) -> int:
+    """int64 elements of scratch sample_from_logits needs (allocate once, at load time)."""
+    return sample_plan(vocab, top_k_max, n_draws, **kw)["scratch_numel"]
+
+
+def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor,
+                       seed_offset: torch.Tensor, token_out: torch.Tensor,
+                       scratch: torch.Tensor, *, valid_vocab: int, top_k_max: int,
+                       block_v: Optional[int] = None,
+                       merge_chunk: Optional[int] = None) -> torch.Tensor:
+    """Draw token_out.numel() tokens from the processed logits (see the module docstring).
+
+    logits float32 [V]; params float32 [NUM_PARAMS] (params_list); counts int32 [V] or [2, V];
+    seed_offset int64 [2] = (seed, step), step advanced in place; token_out int32/int64 [n];
+    scratch int64 with >= sample_scratch_numel(V, top_k_max, n) elements. Returns token_out."""
+    if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError("sample_from_logits: logits must be a contiguous float32 [V] vector")
+    V = logits.numel()
+    if not 1 <= int(valid_vocab) <= V:
+        raise ValueError(f"sample_from_logits: valid_vocab must be in 1..{V}")
+    if params.dtype != torch.float32 or params.numel() < NUM_PARAMS or not params.is_contiguous():
+        raise ValueError(f"sample_from_logits: params must be float32 with {NUM_PARAMS} values")
+    two_rows = counts.dim() == 2
+    if (counts.dtype != torch.int32 or not counts.is_contiguous()
+            or tuple(counts.shape) not in ((V,), (2, V))):
+        raise ValueError(f"sample_from_logits: counts must be contiguous int32 [{V}] or [2, {V}]")
+    if seed_offset.dtype != torch.int64 or seed_offset.numel() != 2:
+        raise ValueError("sample_from_logits: seed_offset must be int64 [2] = (seed, step)")
+    if token_out.dtype not in (torch.int32, torch.int64) or token_out.numel() < 1:
+        raise ValueError("sample_from_logits: token_out must be an int32/int64 tensor")
+    n_draws = token_out.numel()
+    p = sample_plan(V, top_k_max, n_draws, block_v=block_v, merge_chunk=merge_chunk)
+    if (scratch.dtype != torch.int64 or not scratch.is_contiguous()
+            or scratch.numel() < p["scratch_numel"]):
+        raise ValueError(f"sample_from_logits: scratch must be contiguous int64 with >= "
+                         f"{p['scratch_numel']} elements")
+    for t in (params, counts, seed_offset, token_out, scratch):
+        if t.device != logits.device:
+            raise ValueError("sample_from_logits: all tensors must be on one device")
+
+    kc, block_v, nb, chunk = p["kc"], p["block_v"], p["nb"], p["chunk"]
+    gum = scratch[p["gum_off"]:]
+    first = p["levels"][0][2] if p["levels"] else p["final_off"]
+    _sample_prepare_kernel[(nb, triton.cdiv(n_draws, p["draw_block"]))](
+        logits, counts, params, seed_offset, scratch[first:], gum, V, int(valid_vocab),
+        n_draws, nb, TWO_ROWS=two_rows, KC=kc, BLOCK_V=block_v, DRAW_BLOCK=p["draw_block"],
+        num_warps=8 if block_v >= 2048 else 4)
+    for n_in, programs, in_off, out_off in p["levels"]:
+        _topk_merge_kernel[(programs,)](scratch[in_off:], n_in, scratch[out_off:], params,
+                                        KC=kc, CHUNK=chunk, num_warps=8)
+    chunk_f = max(kc, triton.next_power_of_2(p["n_final"]))
+    _sample_final_kernel[(1,)](
+        scratch[p["final_off"]:], p["n_final"], gum, nb, params, seed_offset, token_out,
+        n_draws, KC=kc, CHUNK=chunk_f, BLOCK_NB=triton.next_power_of_2(nb),
+        DRAW_BLOCK=min(triton.next_power_of_2(n_draws), max(1, 8192 // max(chunk_f, triton.next_power_of_2(nb)))),
+        num_warps=8)
+    return token_out
+
+
+def update_counts(counts: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """counts[last row][token[0]] += 1 on the device (the generated-token row of a [2, V]
+    counts tensor, or the only row of a [V] one). Returns counts."""
+    if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
+        raise ValueError("update_counts: counts must be contiguous int32 [V] or [2, V]")
+    if token.dtype not in (torch.int32, torch.int64) or token.numel() < 1:
+        raise ValueError("update_counts: token must be an int32/int64 device tensor")
+    if token.device != counts.device:
+        raise ValueError("update_counts: counts and token must be on one device")
+    row_offset = counts.shape[-1] if counts.dim() == 2 else 0
+    _update_counts_kernel[(1,)](counts, token, row_offset, num_warps=1)
+    return counts
+
+
+def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:
+    """A fresh int32 [2, vocab] counts tensor from host id lists (allocates: call it when
+    sampling starts, outside any captured graph)."""
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    for row, ids in enumerate((context_ids, generated_ids)):
+        if len(ids):
+            t = torch.as_tensor(list(ids), dtype=torch.int64)
+            counts[row] += torch.bincount(t, minlength=vocab)[:vocab].to(torch.int32)
+    return counts.to(device) if device is not None else counts

@@ -1,0 +1,123 @@
+"""Shared fixtures for the app tests: offscreen Qt, a tiny checkpoint, a temp store and settings."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")   # before any Qt import
+
+import pytest  # noqa: E402
+
+import tritonchat.app.refcount_guard  # noqa: E402,F401  (PySide6 6.12 drops refs to True/None on 3.11)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """One tiny random-weight Qwen3.5 checkpoint (with tokenizer) shared by the app tests."""
+    from tests.fixtures.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen35") / "model")
+
+
+@pytest.fixture
+def store(tmp_path):
+    from tritonchat.app.store import ChatStore
+
+    s = ChatStore(tmp_path / "chats.sqlite3")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def qsettings(tmp_path):
+    from tritonchat.app.settings import open_settings
+
+    return open_settings(str(tmp_path / "settings.ini"))
+
+
+class RecordingSession:
+    """A real ChatSession with its calls recorded (engine thread appends, tests read after
+    the matching signal). Optionally fails on purpose: `fail_generate` is raised by the next
+    generate() after `fail_after_text` text callbacks (0: before any text)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple] = []
+        self.fail_generate: BaseException | None = None
+        self.fail_after_text = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, messages, params, **kw):
+        self.calls.append(("generate", messages, params, {k: v for k, v in kw.items()
+                                                          if k not in ("on_text", "on_stats", "stop_event")}))
+        if self.fail_generate is not None:
+            exc, self.fail_generate = self.fail_generate, None
+            if self.fail_after_text:
+                on_text = kw["on_text"]
+                for i in range(self.fail_after_text):
+                    on_text("", f"partial{i} ")
+            raise exc
+        return self.inner.generate(messages, params, **kw)
+
+    def configure(self, **kw):
+        self.calls.append(("configure", kw))
+        return self.inner.configure(**kw)
+
+    def set_max_context(self, n):
+        self.calls.append(("set_max_context", n))
+        return self.inner.set_max_context(n)
+
+    def of(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+@pytest.fixture
+def recording_loader():
+    """A loader building real sessions wrapped in RecordingSession; .sessions lists them."""
+    from tritonchat.engine.session import ChatSession
+
+    def loader(model_dir, options, progress):
+        s = RecordingSession(ChatSession.load(model_dir, options, progress=progress))
+        loader.sessions.append(s)
+        return s
+
+    loader.sessions = []
+    return loader
+
+
+@pytest.fixture
+def errors_shown(monkeypatch):
+    """Record the error dialogs the main window would show (instead of a modal box)."""
+    shown: list[tuple[str, str]] = []
+    monkeypatch.setattr("tritonchat.app.main_window.show_error",
+                        lambda parent, sentence, details="", title="tritonchat": shown.append((sentence, details)))
+    return shown
+
+
+@pytest.fixture
+def make_window(qtbot, store, qsettings, tiny_model_dir, recording_loader, errors_shown):
+    """make_window(**kw) -> a shown MainWindow on the tiny model with the model loaded.
+    Defaults for tests: a fixed seed and short answers, unless kw says otherwise."""
+    from tritonchat.app.main_window import MainWindow
+
+    windows = []
+
+    def make(model=None, *, load=True, seed="7", max_new_tokens=48, thinking=False, **kw):
+        qsettings.setValue("generation/seed", seed)
+        qsettings.setValue("generation/max_new_tokens", max_new_tokens)
+        qsettings.setValue("generation/thinking", thinking)
+        kw.setdefault("loader", recording_loader)
+        w = MainWindow(str(model or tiny_model_dir), kw.pop("store", store), kw.pop("qsettings", qsettings), **kw)
+        qtbot.addWidget(w)
+        windows.append(w)
+        w.show()
+        if load:
+            with qtbot.waitSignal(w.modelLoaded, timeout=60000):
+                w.start()
+        return w
+
+    yield make
+    for w in windows:
+        w.close()
+        assert w.engine.thread.wait(30000)

@@ -1,0 +1,105 @@
+"""`tritonchat generate` end to end, and every bad input: one sentence on stderr, exit code 2."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.checkpoints import make_tiny_checkpoint
+
+
+def run_cli(*args, env=None):
+    e = dict(os.environ, HF_HUB_OFFLINE="1")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tritonchat.engine.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=e)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli"), layout="index")
+
+
+def test_generate_json(model_dir):
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", "Hi", "--chat", "--system", "Be kind.",
+                "--greedy", "--max-new-tokens", "7", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("token_ids", "text", "prompt_tokens", "new_tokens", "ttft_ms", "decode_tok_s", "stop_reason",
+                "backend", "device", "dtype"):
+        assert key in d, key
+    assert d["new_tokens"] == 7 == len(d["token_ids"]) and d["stop_reason"] == "max_tokens"
+    assert d["backend"] == "reference" and d["device"] == "cpu" and d["dtype"] == "float32"
+
+
+def test_prompt_ids_verbatim_and_reproducible(model_dir):
+    args = ("generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+            "--seed", "4", "--temperature", "0.9", "--top-p", "0.9", "--min-p", "0.01", "--presence-penalty", "0.5",
+            "--repetition-penalty", "1.1", "--ignore-eos", "--json")
+    a, b = run_cli(*args), run_cli(*args)
+    assert a.returncode == 0, a.stderr
+    da, db = json.loads(a.stdout.splitlines()[-1]), json.loads(b.stdout.splitlines()[-1])
+    assert da["prompt_tokens"] == 3 and da["token_ids"] == db["token_ids"]
+
+
+def _bad(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_bad_inputs(model_dir, tmp_path):
+    _bad(run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x"), "does not exist")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _bad(run_cli("generate", "--model", str(empty), "--prompt", "x"), "tokenizer.json")
+    # config that is not JSON
+    bad = tmp_path / "badcfg"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text("{oops")
+    _bad(run_cli("generate", "--model", str(bad), "--prompt", "x"), "config.json")
+    # another architecture
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    _bad(run_cli("generate", "--model", str(bad), "--prompt", "x"), "llama")
+    # truncated weights
+    (bad / "config.json").write_text((model_dir / "config.json").read_text())
+    shard = bad / "model.safetensors-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    _bad(run_cli("generate", "--model", str(bad), "--prompt", "x"), "safetensors")
+    # missing tokenizer
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (notok / f.name).write_bytes(f.read_bytes())
+    _bad(run_cli("generate", "--model", str(notok), "--prompt", "x"), "tokenizer.json")
+    # shape that disagrees with the config
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw["text_config"]["hidden_size"] = 72
+    (bad / "config.json").write_text(json.dumps(raw))
+    shard.write_bytes((model_dir / shard.name).read_bytes())
+    _bad(run_cli("generate", "--model", str(bad), "--prompt", "x"), "shape")
+    # prompt longer than the context
+    _bad(run_cli("generate", "--model", str(model_dir), "--prompt", "word " * 40, "--context", "16"), "context")
+    # ids outside the vocabulary / malformed
+    _bad(run_cli("generate", "--model", str(model_dir), "--prompt-ids", "1,99999"), "vocabulary")
+    _bad(run_cli("generate", "--model", str(model_dir), "--prompt-ids", "1,a"), "comma-separated")
+    _bad(run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--device", "cuda")
+         if not _has_cuda() else run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "2"),
+         "")
+
+
+def _has_cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+def test_debug_shows_traceback(tmp_path):
+    r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr

@@ -1,0 +1,111 @@
+"""Prefill GEMM (tl.dot) against the PyTorch reference: plain, residual, SiLU*mul epilogues."""
+import pytest
+import torch
+
+from tritonchat.kernels.gemm import gemm
+from tritonchat.kernels.prefill_reference import gemm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]
+
+
+def _tol(dtype):
+    # fp32 on a GPU runs tl.dot in TF32; under the interpreter it is exact fp32
+    if dtype == torch.float32:
+        return (1e-5, 1e-5) if DEVICE == "cpu" else (5e-3, 5e-3)
+    return (4e-3, 2e-3)      # half: one rounding of a K-sum taken in another order
+
+
+def _data(T, N, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g).to(DEVICE, dtype)
+    W = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEVICE, dtype)
+    r = torch.randn(T, N, generator=g).to(DEVICE, dtype)
+    return x, W, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", T_LIST)
+def test_gemm_epilogues(T, dtype):
+    N, K = 96, 72                  # K is not a multiple of the K tile: ragged K loop
+    x, W, r = _data(T, N, K, dtype, seed=T)
+    rtol, atol = _tol(dtype)
+
+    out = torch.full((T, N), float("nan"), device=DEVICE, dtype=dtype)
+    gemm(x, W, out)
+    torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out)), rtol=rtol, atol=atol)
+    # the reference itself is the plain product
+    torch.testing.assert_close(gemm_ref(x, W, torch.empty_like(out)).float(),
+                               (x.double() @ W.double().t()).float(), rtol=1e-2, atol=1e-2)
+
+    out = r.clone()
+    gemm(x, W, out, residual=out)  # in place: out aliases residual
+    torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out), residual=r),
+                               rtol=rtol, atol=atol)
+
+    out = torch.full((T, N // 2), float("nan"), device=DEVICE, dtype=dtype)
+    gemm(x, W, out, silu_mul=True)
+    ref = gemm_ref(x, W, torch.empty_like(out), silu_mul=True)
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    y = x.double() @ W.double().t()
+    torch.testing.assert_close(ref.double(), torch.nn.functional.silu(y[:, :N // 2]) * y[:, N // 2:],
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("T,N,K", [(5, 40, 24), (130, 17, 64), (33, 200, 256)])
+def test_gemm_odd_shapes_and_strided_rows(T, N, K):
+    """Non-power-of-two N, K a multiple of the K tile, x/out/residual as views into wider buffers."""
+    dtype = torch.float32
+    x_buf, W, r_buf = _data(T, N, K + 8, dtype, seed=N)
+    W = W[:, :K].contiguous()
+    x = x_buf[:, 3:3 + K]
+    out_buf = torch.zeros(T, N + 5, device=DEVICE, dtype=dtype)
+    res = r_buf[:, :N]
+    gemm(x, W, out_buf[:, 2:2 + N], residual=res)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out_buf[:, 2:2 + N], gemm_ref(x, W, torch.empty(T, N, device=DEVICE), residual=res),
+                               rtol=rtol, atol=atol)
+    assert torch.all(out_buf[:, :2] == 0) and torch.all(out_buf[:, 2 + N:] == 0)
+
+
+def test_gemm_rejects_bad_arguments():
+    x, W, _ = _data(4, 32, 16, torch.float32, 0)
+    with pytest.raises(ValueError):
+        gemm(x, W, torch.empty(4, 31, device=DEVICE))
+    with pytest.raises(TypeError):
+        gemm(x, W.half(), torch.empty(4, 32, device=DEVICE))
+    with pytest.raises(ValueError):
+        gemm(x, W, torch.empty(4, 32, device=DEVICE), silu_mul=True)      # out must be [T, N/2]
+    with pytest.raises(ValueError):
+        gemm(x.t(), W, torch.empty(16, 32, device=DEVICE))                # column-strided x
+
+
+# ------------------------------------------------------------------------------------------
+# GPU twins: bf16 at the true Qwen3.5-0.8B projection shapes, a 2048-token prompt
+# ------------------------------------------------------------------------------------------
+TRUE_SHAPES = {            # name: (N rows of W, K, epilogue)
+    "gdn_qkvz": (8192, 1024, None),
+    "gdn_ba": (32, 1024, None),
+    "gdn_out": (1024, 2048, "residual"),
+    "attn_q": (4096, 1024, None),
+    "attn_kv": (1024, 1024, None),
+    "attn_o": (1024, 2048, "residual"),
+    "mlp_gate_up": (7168, 1024, "silu_mul"),
+    "mlp_down": (1024, 3584, "residual"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TRUE_SHAPES))
+def test_gemm_true_shapes_bf16(name):
+    N, K, epi = TRUE_SHAPES[name]
+    T = 2048
+    x, W, r = _data(T, N, K, torch.bfloat16, seed=N + K)
+    n_out = N // 2 if epi == "silu_mul" else N
+    r = r[:, :n_out].contiguous()
+    out = r.clone() if epi == "residual" else torch.empty(T, n_out, device=DEVICE, dtype=torch.bfloat16)
+    kw = dict(residual=out if epi == "residual" else None, silu_mul=epi == "silu_mul")
+    gemm(x, W, out, **kw)
+    ref = gemm_ref(x, W, torch.empty_like(out), residual=r if epi == "residual" else None,
+                   silu_mul=epi == "silu_mul")
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
