@@ -281,11 +281,11 @@ class MessageWidget(QFrame):
             row = QHBoxLayout()
             row.setContentsMargins(0, 0, 0, 0)
             row.addStretch(1)
-            row.addWidget(self.bubble, 4)
+            row.addWidget(self.bubble, 0)
             self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
             outer.addWidget(self.role_label)
             outer.addLayout(row)
-            self._bubble_row = row
+            self._natural_width = 0
         else:
             self.bubble = None
             outer.addWidget(self.role_label)
@@ -332,8 +332,11 @@ class MessageWidget(QFrame):
             self.thinking_block.set_text(thinking)
             if thinking.strip():
                 secs = thinking_seconds if thinking_seconds is not None else (stats or {}).get("thinking_seconds")
-                stopped = (stats or {}).get("stop_reason") == "stopped" and not content.strip()
-                self.thinking_block.set_done(float(secs) if secs is not None else 0.0, stopped=stopped)
+                stopped = (stats or {}).get("stop_reason") in ("stopped", "error") and not content.strip()
+                if secs is None:        # saved mid-stream (the app was closed or crashed)
+                    self.thinking_block.label_text("Thoughts (interrupted)")
+                else:
+                    self.thinking_block.set_done(float(secs), stopped=stopped)
         self.stats_label.setText(format_stats(stats))
         self.stats_label.setToolTip(stats_tooltip(stats))
         self.render()
@@ -379,6 +382,11 @@ class MessageWidget(QFrame):
         if self.role == "user":
             self.code_blocks = []
             self.body.set_html(render_plain(self.content))
+            # the bubble hugs short messages and wraps long ones at 80% of the column
+            doc = self.body.document().clone()
+            doc.setTextWidth(-1)
+            self._natural_width = int(doc.idealWidth()) + 2
+            self._fit_bubble()
             return
         if self.thinking_block is not None:
             self.thinking_block.set_text(self.thinking)
@@ -392,6 +400,17 @@ class MessageWidget(QFrame):
         self.body.set_html(r.html)
         if not self.streaming:
             self.body.setVisible(True)
+
+    def _fit_bubble(self) -> None:
+        if self.bubble is None or self._editor is not None:
+            return
+        margins = self.bubble.layout().contentsMargins()
+        limit = max(120, int(self.width() * 0.8))
+        self.bubble.setFixedWidth(min(limit, self._natural_width + margins.left() + margins.right()))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_bubble()
 
     def set_style(self, style: RenderStyle) -> None:
         self._style = style
@@ -471,11 +490,15 @@ class WelcomeWidget(QWidget):
 
     suggestionChosen = Signal(str)
 
-    SUGGESTIONS = (
-        ("Explain", "Explain how a transformer decodes one token, step by step."),
-        ("Code", "Write a Python function that merges two sorted lists, with tests."),
-        ("Summarise", "Summarise the trade-offs between SQLite and PostgreSQL for a desktop app."),
-        ("Brainstorm", "Give me five names for a small open-source chat app."),
+    SUGGESTIONS = (   # (title, subtitle, the prompt it fills in)
+        ("Explain", "how attention works",
+         "Explain how self-attention in a transformer works, with a small numeric example."),
+        ("Write code", "merge sorted lists",
+         "Write a Python function that merges two sorted lists, with a few tests."),
+        ("Compare", "SQLite vs PostgreSQL",
+         "Compare SQLite and PostgreSQL for a small desktop app: what are the trade-offs?"),
+        ("Brainstorm", "names for a chat app",
+         "Give me five names for a small open-source desktop chat app, with one line on each."),
     )
 
     def __init__(self, parent: QWidget | None = None):
@@ -499,8 +522,8 @@ class WelcomeWidget(QWidget):
         grid.setSpacing(10)
         grid.addStretch(1)
         self.buttons: list[QPushButton] = []
-        for head, prompt in self.SUGGESTIONS:
-            b = QPushButton(f"{head}\n{_shorten(prompt, 34)}", self)
+        for head, sub, prompt in self.SUGGESTIONS:
+            b = QPushButton(f"{head}\n{sub}", self)
             b.setToolTip(prompt)
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.setMinimumSize(150, 60)
@@ -514,10 +537,6 @@ class WelcomeWidget(QWidget):
 
     def set_model_text(self, text: str) -> None:
         self.subtitle.setText(text)
-
-
-def _shorten(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1].rstrip() + "\u2026"
 
 
 class ChatView(QWidget):
@@ -704,6 +723,7 @@ class ChatView(QWidget):
         w.editSubmitted.connect(self.editSubmitted)
         w.regenerateRequested.connect(self.regenerateRequested)
         self.column_layout.insertWidget(self.column_layout.count() - 1, w)
+        w.show()          # at once: the layout would only show it from the event loop
         self.messages.append(w)
         self._update_empty()
         return w

@@ -6,7 +6,6 @@ from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Pyth
 import time
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu,
                                QPushButton, QVBoxLayout, QWidget)
 
@@ -28,6 +27,16 @@ def age_text(ts: float, now: float | None = None) -> str:
     if d < 7 * 86400:
         return f"{int(d // 86400)} days ago"
     return time.strftime("%Y-%m-%d", time.localtime(ts))
+
+
+class _ListWidget(QListWidget):
+    deletePressed = Signal()
+
+    def keyPressEvent(self, event) -> None:
+        if event.key() == Qt.Key.Key_Delete and self.state() != QListWidget.State.EditingState:
+            self.deletePressed.emit()
+            return
+        super().keyPressEvent(event)
 
 
 class ConversationList(QWidget):
@@ -60,9 +69,11 @@ class ConversationList(QWidget):
         self._search_timer.setInterval(200)
         self._search_timer.timeout.connect(lambda: self.searchChanged.emit(self.search.text()))
         self.search.textChanged.connect(lambda _: self._search_timer.start())
-        self.list = QListWidget(self)
+        self.list = _ListWidget(self)
         self.list.setObjectName("ConversationList")
         self.list.setUniformItemSizes(True)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
@@ -70,27 +81,20 @@ class ConversationList(QWidget):
         self.list.setToolTip("Right-click a chat to rename, export or delete it; F2 renames")
         self.empty_label = QLabel("No chats yet", self)
         self.empty_label.setObjectName("MutedLabel")
-        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 12, 10, 10)
         layout.setSpacing(8)
         layout.addWidget(self.new_button)
         layout.addWidget(self.search)
         layout.addWidget(self.list, 1)
-        layout.addWidget(self.empty_label)
+        layout.addWidget(self.empty_label, 1)
         self._titles: dict[int, str] = {}
         self._updating = False
 
-        rename = QAction("Rename", self.list)
-        rename.setShortcut("F2")
-        rename.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
-        rename.triggered.connect(self.rename_current)
-        delete = QAction("Delete", self.list)
-        delete.setShortcut("Delete")
-        delete.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
-        delete.triggered.connect(lambda: self.current_id() is not None and self.deleteRequested.emit(self.current_id()))
-        self.list.addAction(rename)
-        self.list.addAction(delete)
+        # F2 renames (the list's own edit key); Delete asks to delete the current chat
+        self.list.deletePressed.connect(
+            lambda: self.current_id() is not None and self.deleteRequested.emit(self.current_id()))
 
     def set_conversations(self, conversations, current_id: int | None) -> None:
         """Fill the list from store.Conversation rows without emitting `selected`."""
@@ -115,7 +119,9 @@ class ConversationList(QWidget):
             self._updating = False
         searching = bool(self.search.text().strip())
         self.empty_label.setText("No chats match" if searching else "No chats yet")
-        self.empty_label.setVisible(self.list.count() == 0)
+        empty = self.list.count() == 0
+        self.empty_label.setVisible(empty)
+        self.list.setVisible(not empty)
 
     def ids(self) -> list[int]:
         return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]

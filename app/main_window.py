@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QSplitter, QToolButton, QVBoxLayout,
@@ -67,8 +67,11 @@ class Generation:
 
 
 class MainWindow(QMainWindow):
-    generationFinished = Signal(dict)       # the stored stats of a finished answer (tests, screenshot)
+    # after the window has handled the engine's report (tests and the screenshot wait on these)
+    generationFinished = Signal(dict)       # the stored stats of a finished answer
+    generationFailed = Signal(str, str)     # sentence, details
     modelLoaded = Signal(dict)
+    modelLoadFailed = Signal(str, str)      # sentence, details
 
     def __init__(self, model: str, store: ChatStore, qsettings: QSettings, *,
                  loader: SessionLoader | None = None, engine_overrides: dict | None = None,
@@ -87,6 +90,7 @@ class MainWindow(QMainWindow):
         self.conv_id: int | None = None
         self.gen: Generation | None = None
         self.max_context = self.settings.context_length
+        self._engine_wanted: dict = {}
         self.model_dir: str | None = None
         self._closing = False
 
@@ -97,6 +101,8 @@ class MainWindow(QMainWindow):
         self.setMinimumSize(720, 480)
 
         self.engine = EngineClient(loader, self)
+        # bound methods of this QObject, never lambdas: PySide runs a lambda connected to a
+        # signal of another thread in *that* thread; a method of a QObject runs in its owner's
         w = self.engine.worker
         w.loadProgress.connect(self._on_load_progress)
         w.loaded.connect(self._on_loaded)
@@ -107,12 +113,14 @@ class MainWindow(QMainWindow):
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
         w.configured.connect(self._on_configured)
-        w.configureFailed.connect(lambda s, d: show_error(self, s, d))
+        w.configureFailed.connect(self._on_configure_failed)
         w.timings.connect(self._on_timings)
         w.tokenCount.connect(self._on_token_count)
 
         self._build_ui()
         self._build_menus()
+        # "system" follows the desktop when it switches between light and dark
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
         self._restore_ui()
         self.refresh_conversations()
         last = self.qs.value("ui/last_conversation")
@@ -139,6 +147,7 @@ class MainWindow(QMainWindow):
 
         self.banner = ErrorBanner(self)
         self._banner_error_style = self.banner.styleSheet()
+        self._banner_warning = False
         self.header_title = QLabel(NEW_CHAT_TITLE, self)
         self.header_title.setStyleSheet("font-size: 12pt; font-weight: 600;")
         self.timing_button = QToolButton(self)
@@ -301,15 +310,18 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("Loading the model\u2026")
         self.load_bar.setValue(0)
         self.load_bar.show()
+        self._engine_wanted = {"max_context": self.settings.context_length,
+                               "split_k": self.settings.split_k, "graph": self.settings.graph}
         settings = dict(self.engine_overrides)
-        settings.update({"max_context": self.settings.context_length, "split_k": self.settings.split_k,
-                         "graph": self.settings.graph, "timing": self.timing.isVisible()})
+        settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
 
     def _on_load_progress(self, stage: str, fraction: float) -> None:
         self.load_bar.show()
         self.load_bar.setValue(int(max(0.0, min(1.0, fraction)) * 1000))
-        self.engine_label.setText(f"{STAGES.get(stage, stage)}\u2026 {fraction:.0%}")
+        text = f"{STAGES.get(stage, stage)}\u2026 {fraction:.0%}"
+        self.engine_label.setText(text)
+        self.chat.welcome.set_model_text(f"Loading the model: {text}")
 
     def _on_loaded(self, info: dict) -> None:
         self.loaded = True
@@ -325,6 +337,7 @@ class MainWindow(QMainWindow):
         self.timing.set_capabilities(self.capabilities)
         self.input.set_ready(True)
         self._update_engine_label()
+        self.chat.welcome.set_model_text(self._welcome_text())
         if not self.capabilities.get("cuda", False):
             self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
         self._request_token_count()
@@ -338,12 +351,23 @@ class MainWindow(QMainWindow):
         self.input.set_ready(False, "No model is loaded")
         self.show_banner(sentence, details)
         show_error(self, sentence, details)
+        self.modelLoadFailed.emit(sentence, details)
 
     def _on_fell_back(self, sentence: str, details: str) -> None:
         self.show_banner(f"{sentence} The reference engine runs instead: slow.", details, warning=True)
 
+    def _welcome_text(self) -> str:
+        o, caps = self.engine_options, self.capabilities
+        if o.get("backend") == "triton":
+            where = f"on hand-written Triton kernels ({caps.get('device_name') or 'GPU'})"
+        else:
+            where = "on the PyTorch reference engine" + (" (CPU)" if o.get("device") == "cpu" else "")
+        name = Path(self.model_dir).name if self.model_dir else "Qwen3.5"
+        return f"{name}, running locally {where}. Your chats stay on this computer."
+
     def show_banner(self, text: str, details: str = "", warning: bool = False) -> None:
         """The bar above the chat: amber for a working-but-degraded state, red for errors."""
+        self._banner_warning = warning
         if warning:
             c = self.colors
             self.banner.setStyleSheet(
@@ -497,7 +521,8 @@ class MainWindow(QMainWindow):
         conv = self.conv_id
         msgs = self.store.messages(conv)
         idx = next((i for i, m in enumerate(msgs) if m.id == assistant_msg_id), None)
-        if idx is None or idx == 0 or msgs[idx - 1].role != "user":
+        # only the last answer: regenerating an earlier one would silently drop the turns after it
+        if idx is None or idx != len(msgs) - 1 or idx == 0 or msgs[idx - 1].role != "user":
             return
         user = msgs[idx - 1]
         self.store.delete_messages_from(conv, assistant_msg_id)
@@ -630,6 +655,10 @@ class MainWindow(QMainWindow):
         self._set_generating(False)
         self.refresh_conversations()
         show_error(self, sentence, details)
+        self.generationFailed.emit(sentence, details)
+
+    def _on_configure_failed(self, sentence: str, details: str) -> None:
+        show_error(self, sentence, details)
 
     def _on_configured(self, options: dict) -> None:
         self.engine_options = dict(options)
@@ -675,20 +704,19 @@ class MainWindow(QMainWindow):
 
     def apply_settings(self, new: ChatSettings) -> None:
         """Store the settings and push what changed to the engine (no restart needed)."""
-        old = self.settings
         save_settings(self.qs, new, self.model_defaults)
         self.settings = new
-        changes = {}
-        if new.split_k != old.split_k:
-            changes["split_k"] = new.split_k
-        if new.graph != old.graph:
-            changes["graph"] = new.graph
-        if new.context_length != old.context_length:
-            changes["max_context"] = new.context_length
+        # compare with what the engine was last asked for (the reference backend keeps its
+        # split-K / graph flags unchanged, so its options cannot tell what was sent)
+        wanted = {"split_k": new.split_k, "graph": new.graph, "max_context": new.context_length}
+        changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
         if changes and self.loaded:
             self.engine.configure(**changes)
-        if new.theme != old.theme:
+        self._engine_wanted.update(wanted)
+        if new.theme != self.colors.name and not (new.theme == "system" and theme.resolve("system") is self.colors):
             self.set_theme(new.theme)
+        elif new.theme in self.theme_actions:
+            self.theme_actions[new.theme].setChecked(True)
         self._request_token_count()
 
     def set_theme(self, mode: str) -> None:
@@ -698,8 +726,14 @@ class MainWindow(QMainWindow):
         self.colors = theme.apply_theme(QApplication.instance(), mode)
         self.chat.set_style(theme.render_style(self.colors))
         self.timing.set_colors(self.colors)
+        if self.banner.isVisible() and self._banner_warning:
+            self.show_banner(self.banner.text(), self.banner.toolTip(), warning=True)
         if mode in self.theme_actions:
             self.theme_actions[mode].setChecked(True)
+
+    def _on_system_scheme(self, *_):
+        if self.settings.theme == "system":
+            self.set_theme("system")
 
     # ================================================================== misc actions
     def copy_last_answer(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QSettings
 
@@ -106,7 +106,3 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     qs.setValue("engine/graph", bool(s.graph))
     qs.setValue("ui/theme", s.theme)
     qs.sync()
-
-
-def sampling_field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(SamplingParams))

@@ -9,7 +9,6 @@ from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Pyth
 
 from dataclasses import replace
 
-from PySide6.QtCore import Qt
 from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
                                QFormLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,

@@ -98,6 +98,8 @@ def _contains_casefold(haystack: str | None, needle: str) -> bool:
 class ChatStore:
     """Conversations and messages in one SQLite file; one instance per thread that uses it."""
 
+    BUSY_TIMEOUT_S = 5.0   # how long a write waits for another tritonchat holding the lock
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,8 @@ class ChatStore:
             # Chats are private: create the file owner-only (SQLite gives -wal/-shm the same mode).
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         # isolation_level=None: no implicit transactions; _tx() makes each write one commit.
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None,
+                                   timeout=self.BUSY_TIMEOUT_S)
         try:
             self._db.row_factory = sqlite3.Row
             self._db.create_function("contains_casefold", 2, _contains_casefold,
@@ -119,9 +122,15 @@ class ChatStore:
             self._migrate()
         except sqlite3.DatabaseError as exc:
             self._db.close()
-            raise ChatStoreError(
-                f"The chat history file {self.path} cannot be read: move it away to start afresh.",
-                details=f"{type(exc).__name__}: {exc}") from exc
+            details = f"{type(exc).__name__}: {exc}"
+            if "locked" in str(exc):
+                raise ChatStoreError(f"The chat history {self.path} is busy in another program: "
+                                     "close it and start tritonchat again.", details) from exc
+            raise ChatStoreError(f"The chat history file {self.path} cannot be read: move it "
+                                 "away to start afresh.", details) from exc
+        except BaseException:
+            self._db.close()
+            raise
 
     @staticmethod
     def default_path() -> Path:
@@ -147,8 +156,9 @@ class ChatStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise ChatStoreError(
-                f"The chat history {self.path} was written by a newer tritonchat: update tritonchat "
-                f"to open it.", details=f"schema version {version}, this build knows {SCHEMA_VERSION}")
+                f"The chat history {self.path} was written by a newer tritonchat: update "
+                "tritonchat to open it.",
+                details=f"schema version {version}, this build knows {SCHEMA_VERSION}")
         for step in range(version, SCHEMA_VERSION):
             with self._tx() as db:
                 MIGRATIONS[step](db)

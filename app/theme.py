@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFontDatabase, QGuiApplication, QPalette
@@ -145,7 +145,3 @@ def apply_theme(app: QApplication, mode: str) -> Colors:
     app.setPalette(palette(c))
     app.setStyleSheet(stylesheet(c))
     return c
-
-
-def with_name(c: Colors, name: str) -> Colors:
-    return replace(c, name=name)

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from tritonchat.engine.api import EngineOptions, SamplingParams
 
@@ -257,6 +257,9 @@ class EngineClient(QObject):
         self._read_timings.connect(self.worker.read_timings)
         self._count_tokens.connect(self.worker.count_tokens)
         self._shutdown.connect(self.worker.shutdown)
+        # the thread ends only after shutdown() ran: quit() from the GUI side could end the
+        # event loop before the queued shutdown (and a pending generate) were processed
+        self.worker.shutDown.connect(self.thread.quit, Qt.ConnectionType.DirectConnection)
         self.thread.start()
         self._next_id = 0
         self.current: GenerateRequest | None = None
@@ -293,6 +296,4 @@ class EngineClient(QObject):
         if not self.thread.isRunning():
             return True
         self._shutdown.emit()
-        self.thread.quit()
-        ok = self.thread.wait(int(timeout_s * 1000))
-        return bool(ok)
+        return bool(self.thread.wait(int(timeout_s * 1000)))

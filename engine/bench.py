@@ -54,8 +54,9 @@ def decode_run(be, prompt: list[int], new_tokens: int) -> dict:
     from .generation import Generator
     gen = Generator(be, stop_ids=[])
     gen.snapshots_enabled = False
-    # warm-up: compiles kernels and captures the graph outside the measurement
-    gen.generate(prompt[:8], SamplingParams(greedy=True), max_new_tokens=4)
+    # warm-up at the same length: compiles every kernel (prefill tiles depend on T) and captures
+    # the graph outside the measurement
+    gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=4)
     gen.forget()
     torch.cuda.synchronize()
     res = gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=new_tokens)
@@ -176,7 +177,7 @@ def prefill_table(be, cfg, lens: list[int]) -> dict:
         prompt = _random_prompt(n, cfg.vocab_size, n)
         try:
             be.reset()
-            be.prefill(prompt[:16])
+            be.prefill(prompt)                 # warm-up: compile for this length
             be.begin_sampling(SamplingParams(greedy=True), [])
             be.sample()
             be.reset()

@@ -27,6 +27,8 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
             backend._decode_step()             # JIT compile every kernel before capture
     torch.cuda.current_stream(backend.device).wait_stream(stream)
     _load_mutable(backend, saved)
+    if backend._timer_active is not None:
+        backend._timer_active.events.clear()   # keep only the events recorded into the graph
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=stream):
         backend._decode_step()

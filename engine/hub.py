@@ -1,10 +1,12 @@
 """Fetch the Qwen3.5 text model from the Hugging Face hub into the standard hub cache.
 
-Why not `huggingface_hub.snapshot_download`: since huggingface_hub 1.x every file goes to a
-process-unique `<etag>.<random>.incomplete` that is deleted on failure and never looked at again,
-so a download that is cancelled, killed or crashes restarts from zero. Here each file is fetched
-by our own resumable HTTP GET into `blobs/<etag>.incomplete` (a stable name), with Range requests,
-exponential backoff on stalls and drops, and a size + sha256 check before it is published.
+Why not `huggingface_hub.snapshot_download`: recent huggingface_hub (2.4 checked) writes every file
+to a process-unique `<etag>.<random>.incomplete` that is deleted on failure and never looked at
+again (its resume only spans retries inside one call), so a download that is cancelled, killed or
+crashes restarts from zero. Here each file is fetched by our own resumable HTTP GET into
+`blobs/<etag>.incomplete` (a stable name), with Range requests, exponential backoff on stalls and
+drops, and a size + sha256 check (git blob id for small files) before it is published. The
+download of a 1.7 GB shard therefore survives the GUI's cancel (which kills the child process).
 
 What lands on disk is exactly the layout huggingface_hub writes, so either side finds the other's
 downloads and `snapshot_download(..., local_files_only=True)` works offline afterwards:
@@ -18,8 +20,7 @@ The file listing comes from the hub's JSON API (`/api/models/<id>/revision/<rev>
 call behind `HfApi.model_info(files_metadata=True)`): it gives the commit, each file's size, git
 blob id and, for LFS files, the sha256 we verify against. All HTTP goes through urllib so the
 behaviour does not depend on which HTTP stack a given huggingface_hub version uses (requests,
-httpx, httpx2) and never involves hf_xet. huggingface_hub is only asked, lazily, for the request
-headers (token, user agent).
+httpx, httpx2) and never involves hf_xet. huggingface_hub is only asked, lazily, for the user's token.
 
 No Qt, no platformdirs at import time: the engine imports this module on machines without them.
 """
@@ -36,7 +37,6 @@ import os
 import queue as queue_module
 import re
 import shutil
-import socket
 import ssl
 import sys
 import threading
@@ -46,7 +46,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -70,6 +70,8 @@ TEXT_MODEL_FILES: tuple[str, ...] = (
 )
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_ETAG_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # git blob id or sha256: safe as a file name
+_FIRST_CONTACT_ATTEMPTS = 2  # an offline machine hears "no network" in ~3 s, not after the full backoff
 _CHUNK = 1 << 20  # bytes per read: at most one syscall each, so progress stays smooth on slow links
 _SPEED_WINDOW_S = 5.0  # speed = bytes received over the last few seconds
 _EVENT_INTERVAL_S = 0.1  # "download" events at most 10 per second (the GUI polls, the CLI redraws)
@@ -317,6 +319,30 @@ class _HubRedirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tritonchat")
+    except Exception:  # running from a source tree that was never installed
+        return "dev"
+
+
+def _token() -> Optional[str]:
+    """The user's hub token (HF_TOKEN or `hf auth login`), for gated or private models; None if none.
+
+    Not build_hf_headers(): recent versions make a network call from it (agent detection).
+    """
+    if os.environ.get("HF_HUB_DISABLE_IMPLICIT_TOKEN", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return None
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:  # no huggingface_hub, or a token setup it rejects: go anonymous
+        return os.environ.get("HF_TOKEN") or None
+
+
 def _ssl_context() -> ssl.SSLContext:
     context = ssl.create_default_context()
     try:  # the hub's own clients trust certifi's bundle; some Pythons ship without system roots
@@ -334,13 +360,13 @@ class _Hub:
     def __init__(self, endpoint: Optional[str] = None, timeout: float = 30.0):
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self.timeout = timeout
-        try:
-            from huggingface_hub.utils import build_hf_headers  # token + user agent, as the hub's tools send
-
-            self.headers = dict(build_hf_headers(library_name="tritonchat"))
-        except Exception:  # no huggingface_hub, or a token setup it rejects: go anonymous
-            self.headers = {"User-Agent": "tritonchat"}
-        self.headers["Accept-Encoding"] = "identity"  # sizes and hashes are of the files' own bytes
+        self.headers = {
+            "User-Agent": f"tritonchat/{_version()}; python/{sys.version.split()[0]}",
+            "Accept-Encoding": "identity",  # sizes and hashes are of the files' own bytes
+        }
+        token = _token()
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
         self._opener = urllib.request.build_opener(_HubRedirects(), urllib.request.HTTPSHandler(context=_ssl_context()))
 
     def info_url(self, repo_id: str, revision: str) -> str:
@@ -387,11 +413,12 @@ def _connection_failure(e: BaseException) -> Exception:
     details = f"{type(reason).__name__}: {reason}"
     if isinstance(reason, ssl.SSLCertVerificationError):
         return _Failed("the hub's certificate could not be verified", details)
-    if isinstance(reason, (TimeoutError, socket.timeout)):
+    if isinstance(reason, TimeoutError):  # socket.timeout: no byte for stall_s seconds
         return _Transient("the connection stalled", details=details)
-    if isinstance(reason, (socket.gaierror, ConnectionRefusedError, OSError)) and not isinstance(
-        reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
-    ):
+    if isinstance(reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLError,
+                           http.client.HTTPException)):
+        return _Transient("the connection dropped", details=details)
+    if isinstance(reason, OSError):  # refused, unreachable, no DNS: nothing to talk to
         return _Transient("no network", details=details)
     return _Transient("the connection dropped", details=details)
 
@@ -473,7 +500,8 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
         raise _Failed("offline mode is on: HF_HUB_OFFLINE is set")
     hub = _Hub(timeout=policy.stall_s)
     progress.file = ""
-    raw = _retrying(lambda: _read_all(hub, hub.info_url(repo_id, revision)), policy, progress.on_retry)
+    first_contact = replace(policy, attempts=min(policy.attempts, _FIRST_CONTACT_ATTEMPTS))
+    raw = _retrying(lambda: _read_all(hub, hub.info_url(repo_id, revision)), first_contact, progress.on_retry)
     try:
         info = json.loads(raw)
         commit = info["sha"]
@@ -485,9 +513,10 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
 
     def etag_size_sha(name: str) -> tuple[str, int, Optional[str]]:
         entry, lfs = siblings[name], siblings[name].get("lfs")
-        if lfs:
-            return lfs["sha256"], int(lfs["size"]), lfs["sha256"]
-        return entry["blobId"], int(entry["size"]), None
+        etag, size, sha256 = (lfs["sha256"], int(lfs["size"]), lfs["sha256"]) if lfs else (entry["blobId"], int(entry["size"]), None)
+        if not (isinstance(etag, str) and _ETAG_RE.match(etag)) or size < 0:
+            raise ValueError(f"bad id or size for {name}: {etag!r}, {size}")
+        return etag, size, sha256
 
     try:
         names = sorted(n for n in siblings if _top_level_matches(n))
@@ -525,15 +554,16 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
     return DownloadPlan(repo_id, revision, files, total, have, dest, commit, etags, cache)
 
 
-def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None) -> DownloadPlan:
+def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+                  retry: Optional[RetryPolicy] = None) -> DownloadPlan:
     """Ask the hub what the text model's files are (names, sizes, sha256) and what is already here.
 
-    Raises DownloadError (one sentence) when offline, when the hub cannot be reached after a few
-    retries, or when the repository does not look like a model.
+    Raises DownloadError (one sentence) when offline, when the hub cannot be reached (a few seconds
+    of retries), or when the repository does not look like a model.
     """
     cache = Path(cache_dir) if cache_dir is not None else model_cache_dir()
     try:
-        return _plan(repo_id, revision, cache, RetryPolicy(), _Progress(0, 0, _no_progress))
+        return _plan(repo_id, revision, cache, retry or RetryPolicy(), _Progress(0, 0, _no_progress))
     except _Failed as failure:
         raise _download_error(repo_id, failure, cache, cli=False) from None
 
@@ -559,7 +589,7 @@ def _verify(part: Path, size: int, sha256: Optional[str], etag: str) -> Optional
     """Why part is not the file the hub described, or None when it is."""
     actual = part.stat().st_size
     if actual != size:
-        return f"has {actual} bytes instead of {size}"
+        return f"came with {actual} bytes instead of {size}"
     if sha256 is not None:
         return None if _hash_file(part, hashlib.sha256()) == sha256.lower() else "failed its sha256 check"
     return None if _git_blob_id(part) == etag.lower() else "failed its checksum"
@@ -659,24 +689,34 @@ def _fetch_file(plan: DownloadPlan, hub: _Hub, name: str, size: int, sha256: Opt
     except Timeout:
         raise _Failed(f"another program is downloading {name} into {cache} right now") from None
     try:
-        if blob.is_file() and blob.stat().st_size != size:
-            blob.unlink()  # a truncated blob from some earlier accident
         url = hub.file_url(plan.repo_id, plan.commit, name)
-        for fetch in (1, 2):
-            _retrying(lambda: _fetch_once(hub, url, part, size, progress), policy, progress.on_retry)
-            progress.event("verify", f"Checking {name}.")
-            problem = _verify(part, size, sha256, etag)
-            if problem is None:
-                os.replace(part, blob)
-                break
-            part.unlink()
-            progress.add(-size)
-            if fetch == 2:
-                raise _Failed(f"{name} {problem} twice", f"{name}: {problem}")
-            progress.event("retry", f"{name} {problem}; downloading it again.")
-        _link(blob, pointer)
+        _fetch_verified(hub, url, name, size, sha256, etag, policy, progress, blob, part)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _Failed(f"the disk holding {cache} is full", str(e)) from None
+        raise
     finally:
         lock.release()
+    _link(blob, pointer)
+
+
+def _fetch_verified(hub: _Hub, url: str, name: str, size: int, sha256: Optional[str], etag: str,
+                    policy: RetryPolicy, progress: _Progress, blob: Path, part: Path) -> None:
+    """part -> blob once its size and hash match; one more full fetch after a mismatch."""
+    if blob.is_file() and blob.stat().st_size != size:
+        blob.unlink()  # a truncated blob from some earlier accident
+    for fetch in (1, 2):
+        _retrying(lambda: _fetch_once(hub, url, part, size, progress), policy, progress.on_retry)
+        progress.event("verify", f"Checking {name}.")
+        problem = _verify(part, size, sha256, etag)
+        if problem is None:
+            os.replace(part, blob)
+            return
+        progress.add(-part.stat().st_size)
+        part.unlink()
+        if fetch == 2:
+            raise _Failed(f"{name} {problem} twice", f"{name}: {problem}")
+        progress.event("retry", f"{name} {problem}; downloading it again.")
 
 
 def _download(plan: DownloadPlan, policy: RetryPolicy, progress: _Progress) -> Path:
@@ -772,10 +812,9 @@ def _child_main(repo_id: str, revision: str, cache: str, policy: RetryPolicy, ev
         _done(plan, progress)
     except _Failed as failure:
         progress.event("error", _sentence(repo_id, failure.reason, Path(cache), cli=False))
-    except Exception as e:  # a bug or a disk error: one sentence for the GUI, the traceback on stderr
+    except Exception as e:  # a bug: still one sentence for the GUI, the traceback on stderr
         traceback.print_exc()
-        reason = "a full disk" if isinstance(e, OSError) and e.errno == errno.ENOSPC else f"unexpected {type(e).__name__}"
-        progress.event("error", _sentence(repo_id, reason, Path(cache), cli=False))
+        progress.event("error", _sentence(repo_id, f"unexpected {type(e).__name__}", Path(cache), cli=False))
 
 
 class DownloadProcess:
@@ -899,7 +938,10 @@ def _bar_line(event: DownloadProgress, width: int = 24) -> str:
 
 
 def cli_progress_printer(stream=None) -> Callable[[DownloadProgress], None]:
-    """A progress callback drawing one self-updating line (a terminal) or a line every few seconds (a log)."""
+    """A progress callback drawing one self-updating line (a terminal) or a line every few seconds (a log).
+
+    Errors only end the line: the caller prints the DownloadError that follows.
+    """
     out = stream if stream is not None else sys.stderr
     try:
         tty = bool(out.isatty())
@@ -920,7 +962,10 @@ def cli_progress_printer(stream=None) -> Callable[[DownloadProgress], None]:
     def show(event: DownloadProgress) -> None:
         now = time.monotonic()
         if event.stage == "download":
-            if now - state["last"] < interval:
+            if event.message:  # the opening line: how much, and where to
+                end_line()
+                out.write(event.message + "\n")
+            elif now - state["last"] < interval:
                 return
             state["last"] = now
             if tty:
@@ -934,7 +979,9 @@ def cli_progress_printer(stream=None) -> Callable[[DownloadProgress], None]:
             out.write(event.message + "\n" if event.message else "")
         elif event.stage == "verify":
             return  # quick next to the transfer; the bar stays
-        else:  # retry, error, cancelled: a line of its own, the bar resumes below
+        elif event.stage == "error":
+            end_line()  # the caller prints the DownloadError itself
+        else:  # retry, cancelled: a line of its own, the bar resumes below
             end_line()
             out.write(event.message + "\n")
             state["last"] = -math.inf

@@ -22,13 +22,11 @@ from tokenizers import Tokenizer
 
 from . import chat_template
 from .errors import ModelFilesError
+from .thinking import THINK_CLOSE, THINK_OPEN
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 
 # What a lossy UTF-8 decode puts where a character is incomplete (or invalid).
 REPLACEMENT_CHAR = "\ufffd"
@@ -40,11 +38,9 @@ _ESCAPE = "\U000F0000"
 _FIRST_CODE = 0xF0001
 
 
-def _read_json(path: Path, *, required: bool) -> Optional[dict]:
-    """A JSON object from `path`; None when it is absent and optional. Errors name the file."""
+def _read_json(path: Path) -> Optional[dict]:
+    """The JSON object in an optional config file; None when it is absent. Errors name the file."""
     if not path.is_file():
-        if required:
-            raise ModelFilesError(f"The file {path.name} is missing from {path.parent}.")
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -188,8 +184,8 @@ class ChatTokenizer:
             raise ModelFilesError(f"The file {tok_path} is corrupt (not a tokenizer).",
                                   details=str(e)) from e
 
-        config = _read_json(folder / TOKENIZER_CONFIG_FILE, required=False) or {}
-        generation = _read_json(folder / GENERATION_CONFIG_FILE, required=False) or {}
+        config = _read_json(folder / TOKENIZER_CONFIG_FILE) or {}
+        generation = _read_json(folder / GENERATION_CONFIG_FILE) or {}
 
         eos_token = _token_text(config.get("eos_token"))
         if eos_token is None:

@@ -28,6 +28,7 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
 TOP_K_MAX = 1024
+TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 
 
 @dataclass
@@ -93,6 +94,8 @@ class TritonBackend(Backend):
         self._timing_interval_s = 0.5
         self._last_timed = 0.0
         self._graph = None
+        self._timed_graph = None
+        self._timed_graph_failed = False
         self._sampling_key = None
         self._params = SamplingParams()
         self._logits_valid = False
@@ -176,7 +179,8 @@ class TritonBackend(Backend):
         self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
         self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)
         self.rng_state = torch.zeros(2, device=dev, dtype=torch.int64)     # [seed, step]
-        self.sample_scratch = torch.zeros(S.sample_scratch_numel(cfg.vocab_size, TOP_K_MAX), device=dev,
+        self.top_k_max = TOP_K_MAX if dev.type == "cuda" else TOP_K_MAX_INTERPRETER
+        self.sample_scratch = torch.zeros(S.sample_scratch_numel(cfg.vocab_size, self.top_k_max), device=dev,
                                           dtype=torch.int64)
 
     def _set_split_k(self, enabled: bool) -> None:
@@ -203,8 +207,10 @@ class TritonBackend(Backend):
         t = self._timer_active
         if t is None:
             return fn(*args, **kw)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        # external events can be recorded inside a CUDA graph capture (event-record nodes)
+        capturing = torch.cuda.is_current_stream_capturing()
+        start = torch.cuda.Event(enable_timing=True, external=capturing)
+        end = torch.cuda.Event(enable_timing=True, external=capturing)
         start.record()
         fn(*args, **kw)
         end.record()
@@ -276,7 +282,7 @@ class TritonBackend(Backend):
             self._gemv("gemv_lm_head", self.x, E, self.logits_buf)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
-                         valid_vocab=self.valid_vocab, top_k_max=TOP_K_MAX)
+                         valid_vocab=self.valid_vocab, top_k_max=self.top_k_max)
         self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf)
 
     def _decode_step(self) -> None:
@@ -327,7 +333,7 @@ class TritonBackend(Backend):
         if getattr(self, "_pending_head", False):
             self._ensure_sampler_mode()
             with torch.inference_mode():
-                self._timed(lambda: self._head_step(self._sampling_key == "sample"))
+                self._head_step(self._sampling_key == "sample")
             self._pending_head = False
             self._sampled_pending = True
         return self.logits_buf
@@ -372,7 +378,7 @@ class TritonBackend(Backend):
             raise ContextFullError(f"The context of {self.options.max_context} tokens is full.")
         with torch.inference_mode():
             if self._timer is not None and time.perf_counter() - self._last_timed >= self._timing_interval_s:
-                self._timed(self._decode_step, count_step=True)
+                self._timed_decode()
                 self._last_timed = time.perf_counter()
             elif self.options.graph and self.device.type == "cuda":
                 from .graph import replay_or_capture
@@ -382,6 +388,53 @@ class TritonBackend(Backend):
         self.state.length += 1
         self._pending_head = False
         self._logits_valid = True
+
+    def _timed_decode(self) -> None:
+        """One decode step whose kernels are timed: replayed from a graph with an event-record node
+        between launches (the kernels' GPU time inside the step, without host launch gaps), or
+        eagerly with events when no graph can be captured (then launch gaps are included)."""
+        t = self._timer
+        if self.device.type != "cuda":
+            self._decode_step()
+            return
+        if self._timed_graph is None and not self._timed_graph_failed:
+            from .graph import capture
+            events: list = []
+            t.events = events
+            self._timer_active = t
+            try:
+                self._timed_graph = capture(self)
+                self._timed_events = list(events)
+            except Exception:
+                self._timed_graph_failed = True
+            finally:
+                self._timer_active = None
+        if self._timed_graph is not None:
+            self._timed_graph.replay()
+            torch.cuda.synchronize(self.device)
+            self._accumulate(self._timed_events)
+        else:
+            t.events = []
+            self._timer_active = t
+            try:
+                self._decode_step()
+            finally:
+                self._timer_active = None
+            torch.cuda.synchronize(self.device)
+            self._accumulate(t.events)
+
+    def _accumulate(self, events) -> None:
+        t = self._timer
+        step_s = 0.0
+        for name, nbytes, s, e in events:
+            dt = s.elapsed_time(e) * 1e-3
+            row = t.totals.setdefault(name, [0, 0.0, 0])
+            row[0] += 1
+            row[1] += dt
+            row[2] += nbytes
+            step_s += dt
+        t.steps += 1
+        t.step_seconds += step_s
 
     # ---------------------------------------------------------------------- snapshots ----
     def snapshot(self):
@@ -395,6 +448,8 @@ class TritonBackend(Backend):
     # ------------------------------------------------------------------ switches/timing ----
     def _invalidate_graph(self) -> None:
         self._graph = None
+        self._timed_graph = None
+        self._timed_graph_failed = False
 
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
                   timing: Optional[bool] = None) -> None:
@@ -414,31 +469,6 @@ class TritonBackend(Backend):
         torch.cuda.empty_cache() if self.device.type == "cuda" else None
         self._allocate(int(n))
         self._set_split_k(self.options.split_k)
-
-    def _timed(self, fn, count_step: bool = False) -> None:
-        t = self._timer
-        if t is None or self.device.type != "cuda":
-            fn()
-            return
-        t.events = []
-        self._timer_active = t
-        try:
-            fn()
-        finally:
-            self._timer_active = None
-        torch.cuda.synchronize(self.device)
-        if not count_step:
-            return
-        step_s = 0.0
-        for name, nbytes, s, e in t.events:
-            dt = s.elapsed_time(e) * 1e-3
-            row = t.totals.setdefault(name, [0, 0.0, 0])
-            row[0] += 1
-            row[1] += dt
-            row[2] += nbytes
-            step_s += dt
-        t.steps += 1
-        t.step_seconds += step_s
 
     def kernel_timings(self) -> Optional[list[dict]]:
         t = self._timer

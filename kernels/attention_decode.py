@@ -10,12 +10,14 @@ sin computed in fp32 and rounded to the activation dtype, and the products and t
 as HF's bf16 ops round them; the QK norms round once (fp32 math, then the dtype).
 
 Kernel 1, grid (Hkv, num_splits): program (g, s) handles the H/Hkv query heads of KV head g at
-once (a [16, hd] query tile, so `tl.dot` reads each K/V tile once for the whole group) over its
+once (a [max(16, H/Hkv), hd] query tile: `tl.dot` reads each K/V tile once for the group) over its
 slice of positions: the slice length is ceil((p+1)/num_splits) rounded up to BLOCK_N and is
 computed on the device from `pos`, so one CUDA graph serves every position. Splits past the end
 store m = -inf, l = 0. The new token's K/V are used from registers and written to the cache by
 split 0; no program reads cache slot p during this launch, so the write cannot race a read.
-Softmax is online in fp32 (base 2), the partials (acc, m, l) go to `partials`.
+Softmax is online in fp32 (base 2); the probabilities are rounded to the cache dtype for the
+P V tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). The partials
+(acc, m, l) go to `partials`.
 
 Kernel 2, grid (H,): combine the splits with their max-rescaled weights, round, gate, store.
 """
@@ -38,7 +40,7 @@ def _norm_rope_tile(base, row_mask, w_ptr, offs_d, pos_f, eps, freq_log2_step,
     rotate-half RoPE at position pos_f. Returns the [R, BLOCK_D] tile rounded to the dtype
     (as fp32)."""
     act = base.dtype.element_ty
-    HALF: tl.constexpr = ROT // 2
+    HALF = ROT // 2
     d_mask = offs_d < HD
     in_lo = offs_d < HALF
     in_rot = offs_d < ROT
@@ -93,7 +95,8 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
     kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     if split == 0:
-        slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)     # vector form: see _expect note
+        # (p broadcast to a vector: the interpreter rejects a scalar & vector store mask)
+        slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)
         tl.store(kc + p.to(tl.int64) * HD + offs_d[None, :], k_new.to(cdt), mask=slot_ok[None, :])
         tl.store(vc + p.to(tl.int64) * HD + offs_d, v_new, mask=slot_ok)
 
@@ -132,7 +135,8 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
     alpha = tl.exp2(m_i - m_safe)
     p_cur = tl.exp2(s_cur - m_safe)
     l_i = l_i * alpha + p_cur
-    acc = acc * alpha[:, None] + p_cur.to(cdt).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+    p_cur_r = p_cur.to(cdt).to(tl.float32)          # rounded like the P of the P V dot above
+    acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)[None, :]
 
     rec = part_ptr + (heads.to(tl.int64) * NUM_SPLITS + split) * (HD + 2)
     tl.store(rec[:, None] + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
@@ -232,14 +236,16 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_n = max(16, min(64, 8192 // block_d))
     max_ctx = k_cache.shape[1]
     freq_log2_step = -2.0 * math.log2(float(rope_theta)) / rot
-    dot_precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    # fp32 caches get exact fp32 dots (tests); bf16/fp16 use the default tensor-core path
+    dot_precision = "ieee" if k_cache.dtype == torch.float32 else None
     num_warps = 4 if block_d <= 128 else 8
     _attn_decode_split_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, max_ctx, float(eps),
         float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=num_warps)
+    block_s = triton.next_power_of_2(num_splits)
     _attn_decode_combine_kernel[(H,)](
         partials, qg, out, HD=hd, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 8192 else 8)
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import dot_precision
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 
@@ -80,7 +82,7 @@ def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr
 @triton.jit
 def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_len, pos,
                   qk_scale, HD: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL_MASK: tl.constexpr):
+                  CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HDP)
@@ -91,7 +93,7 @@ def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_le
         kv_mask = (cols < HD)[None, :]
     k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL_MASK:
         visible = (offs_n[None, :] <= pos[:, None]) & (offs_n < kv_len)[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -101,7 +103,7 @@ def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_le
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -109,7 +111,8 @@ def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_le
 def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
                               out_ptr, T, start_pos, max_ctx, stride_qg, stride_o, qk_scale, eps,
                               GROUP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
-                              ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                              ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -130,11 +133,11 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
-                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, False)
+                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, False, DOT_PREC)
     diag_end = tl.minimum(first_pos + BLOCK_M, kv_len)
     for n0 in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
-                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, True)
+                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, True, DOT_PREC)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     dtype = out_ptr.dtype.element_ty
@@ -224,7 +227,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     hdp = max(16, triton.next_power_of_2(hd))
     inv_freq = _inv_freq(rotary_dim, float(rope_theta), qg.device)
-    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    # the norm + rope tile keeps ~6 fp32 copies of [BLOCK_T, head_dim] live: 16 x 256 fits
+    block_t = min(max(16, 4096 // hdp), max(16, triton.next_power_of_2(T)))
     _kv_cache_write_kernel[(triton.cdiv(T, block_t), Hkv)](
         k, v, k_norm_w, inv_freq, k_cache, v_cache, T, start_pos, max_ctx,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
@@ -235,6 +239,6 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg, q_norm_w, inv_freq, k_cache, v_cache, out, T, start_pos, max_ctx,
         qg.stride(0), out.stride(0), qk_scale, eps,
         GROUP=H // Hkv, HD=hd, HDP=hdp, ROT=rotary_dim,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(dt),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

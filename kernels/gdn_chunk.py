@@ -11,8 +11,9 @@ Per value head, tokens split into chunks of C rows; inside a chunk (rows r, all 
     S0     <- exp(gamma_last) S0 + (diag(exp(gamma_last - gamma)) K)^T Vn
 
 Only differences gamma_i - gamma_j (i >= j) and gamma itself (<= 0) are exponentiated, so nothing
-overflows however strong the decay. Padded rows of the last chunk get beta = 0, g = 0, k = v = 0:
-their rows of L, W, U, Vn are zero, so they never touch the state.
+overflows however strong the decay. Padded rows of the last chunk get g = 0 (so gamma_last is the
+last real row's) and k = v = beta = 0 (so their rows of L, W, U, Vn are zero): they never touch
+the state.
 
 Three launches:
   1. prepare  (chunks x heads, parallel): l2norm, gates, gamma, L, blocked inverse, W, U, decayed K
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .gemm import dot_precision
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
@@ -47,7 +50,8 @@ def _gdn_chunk_prepare_kernel(
         gam_ptr, w_ptr, u_ptr, kd_ptr,
         T, T_pad, stride_qkv, stride_b, stride_a,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr):
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
+        DOT_PREC: tl.constexpr):
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -80,7 +84,7 @@ def _gdn_chunk_prepare_kernel(
 
     # L (strictly lower); the keys enter the dot rounded to the activation dtype, as in FLA
     kq = k.to(act)
-    kk = tl.dot(kq, tl.trans(kq))
+    kk = tl.dot(kq, tl.trans(kq), input_precision=DOT_PREC)
     r = tl.arange(0, CHUNK)[:, None]
     c = tl.arange(0, CHUNK)[None, :]
     lower = r > c
@@ -101,14 +105,14 @@ def _gdn_chunk_prepare_kernel(
 
     # Merge the blocks: I + L = (I + Ld)(I + N) with N = Xd Lo strictly block-lower, so
     # N^(C/BC) = 0 and (I + L)^-1 = sum_m (-N)^m Xd, evaluated by Horner: Z <- Xd - N Z.
-    N = tl.dot(X, tl.where((r // BC) > (c // BC), L, 0.0))
+    N = tl.dot(X, tl.where((r // BC) > (c // BC), L, 0.0), input_precision=DOT_PREC)
     Tinv = X
     for _ in tl.static_range(CHUNK // BC - 1):
-        Tinv = X - tl.dot(N, Tinv)
+        Tinv = X - tl.dot(N, Tinv, input_precision=DOT_PREC)
 
     decay = tl.exp(gam)                                           # <= 1
-    w = tl.dot(Tinv, k * (beta * decay)[:, None])
-    u = tl.dot(Tinv, v * beta[:, None])
+    w = tl.dot(Tinv, k * (beta * decay)[:, None], input_precision=DOT_PREC)
+    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
     kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
 
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
@@ -121,7 +125,7 @@ def _gdn_chunk_state_kernel(
         w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
         NT, T_pad,
         DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr):
+        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
     # The one sequential loop: carry S (fp32, DKP x BV slice of one head) across chunks.
     i_v = tl.program_id(0)
     h = tl.program_id(1)
@@ -140,11 +144,11 @@ def _gdn_chunk_state_kernel(
                  S.to(act))
         w = tl.load(w_ptr + rows[:, None] * DKP + offs_k[None, :])
         u = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])
-        vn = (u.to(tl.float32) - tl.dot(w, S.to(act))).to(act)
+        vn = (u.to(tl.float32) - tl.dot(w, S.to(act), input_precision=DOT_PREC)).to(act)
         tl.store(vn_ptr + rows[:, None] * DVP + offs_v[None, :], vn)
         kd = tl.load(kd_ptr + rows[:, None] * DKP + offs_k[None, :])
         decay_last = tl.exp(tl.load(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1))
-        S = S * decay_last + tl.dot(tl.trans(kd), vn)
+        S = S * decay_last + tl.dot(tl.trans(kd), vn, input_precision=DOT_PREC)
 
     tl.store(s_ptrs, S, mask=s_mask)
 
@@ -154,7 +158,7 @@ def _gdn_chunk_output_kernel(
         qkv_ptr, z_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
         T, T_pad, NT, stride_qkv, stride_z, stride_o, scale, eps,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr):
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, DOT_PREC: tl.constexpr):
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -177,14 +181,14 @@ def _gdn_chunk_output_kernel(
     vn = tl.load(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :])
 
     # inter-chunk part: decayed queries read the state at the chunk start
-    o = tl.dot((q * tl.exp(gam)[:, None]).to(act), S0)
+    o = tl.dot((q * tl.exp(gam)[:, None]).to(act), S0, input_precision=DOT_PREC)
     # intra-chunk part: causal (diagonal included) decayed scores times the true deltas
     r = tl.arange(0, CHUNK)[:, None]
     c = tl.arange(0, CHUNK)[None, :]
     causal = r >= c
-    A = tl.dot(q.to(act), tl.trans(k.to(act)))
+    A = tl.dot(q.to(act), tl.trans(k.to(act)), input_precision=DOT_PREC)
     A = tl.where(causal, A * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    o = tl.dot(A.to(act), vn, o)
+    o = tl.dot(A.to(act), vn, o, input_precision=DOT_PREC)
 
     # gated RMSNorm per head: norm in fp32, round, * w, * silu(z) in fp32, round (spec 3b)
     o = o.to(act).to(tl.float32)                                 # the core output is stored in the dtype
@@ -257,19 +261,20 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
 
     wide = max(dkp, dvp) >= 128
+    prec = dot_precision(act)
     _gdn_chunk_prepare_kernel[(nt, hv)](
         qkv_conv, b, a, A_log, dt_bias, gam, w_buf, u_buf, kd_buf,
         T, t_pad, qkv_conv.stride(0), b.stride(0), a.stride(0),
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BC=SUB_BLOCK,
-        num_warps=8 if wide else 4)
+        DOT_PREC=prec, num_warps=8 if wide else 4)
     # Sequential over chunks, so spread heads x V-tiles as wide as tl.dot allows (N >= 16).
     bv = min(32, dvp)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
-        DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, num_warps=4, num_stages=2)
+        DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec, num_warps=4, num_stages=2)
     _gdn_chunk_output_kernel[(nt, hv)](
         qkv_conv, z, gam, vn_buf, h_buf, norm_w, out,
         T, t_pad, nt, qkv_conv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
-        HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk,
+        HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
         num_warps=8 if wide else 4)
     return out

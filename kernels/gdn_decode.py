@@ -21,7 +21,9 @@ channels and state of its value heads), so the conv state is shifted exactly onc
 cross-program ordering and the whole layer is a single launch. The gated RMSNorm needs the full
 dv-wide output of a head, which also rules out splitting dv across programs. The price is a
 grid of Hk programs (16 for the 0.8B model), each streaming its [dk, dv] fp32 state in and out
-once (64 KiB each way at dk = dv = 128).
+once (64 KiB each way at dk = dv = 128). dk and dv are compile-time constants (one compile per
+model), so exact head sizes drop every mask and the state moves in 16-byte vectors; at 16 warps
+the 128 x 128 tile compiles for sm_90 with ~110 registers and no spills.
 """
 from __future__ import annotations
 
@@ -65,14 +67,15 @@ def _softplus(x, THRESHOLD: tl.constexpr):
     # log1p(e^x) with the (1+u)-1 correction, so tiny e^x keep their precision
     u = tl.exp(tl.minimum(x, THRESHOLD))
     one_u = 1.0 + u
-    lp = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / (one_u - 1.0)))
+    tiny = one_u == 1.0
+    lp = tl.where(tiny, u, tl.log(one_u) * (u / tl.where(tiny, 1.0, one_u - 1.0)))
     return tl.where(x > THRESHOLD, x, lp)
 
 
 @triton.jit
 def _gdn_decode_kernel(qkvz_ptr, ba_ptr, conv_state_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
                        state_ptr, norm_w_ptr, out_ptr, eps, q_scale,
-                       HK, HV, DK, DV,
+                       HK, HV, DK: tl.constexpr, DV: tl.constexpr,
                        KW: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                        L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr):
@@ -101,7 +104,8 @@ def _gdn_decode_kernel(qkvz_ptr, ba_ptr, conv_state_ptr, conv_w_ptr, A_log_ptr, 
         a = tl.load(ba_ptr + HV + h).to(tl.float32)
         beta = tl.sigmoid(b).to(ba_ptr.dtype.element_ty).to(tl.float32)
         a_dt = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-        decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a_dt, SP_THRESHOLD))
+        g_log = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a_dt, SP_THRESHOLD)
+        decay = tl.exp(g_log)
 
         # the delta rule on the fp32 state [dk, dv] of value head h: read once, written once
         s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + s_offs
@@ -172,7 +176,7 @@ def gdn_decode(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor,
         num_warps = max(4, min(16, block_k * block_v // 1024))
     _gdn_decode_kernel[(hk,)](
         qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, out,
-        float(eps), float(dk) ** -0.5, hk, hv, dk, dv,
+        float(eps), float(dk) ** -0.5, hk, hv, DK=dk, DV=dv,
         KW=kw, GROUP=hv // hk, BLOCK_K=block_k, BLOCK_V=block_v,
         L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
     return out

@@ -10,6 +10,11 @@ order of the K-sum. The output is allocated by the caller.
 """
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -18,13 +23,64 @@ import triton.language as tl
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# Tile table measured on the device by `python -m tritonchat.kernels.tune_prefill`; every prefill
+# launcher falls back to its built-in table when the file (or an entry) is absent.
+TUNING_FILE = Path(__file__).with_name("prefill_tuning.json")
+TUNING_ENV = "TRITONCHAT_PREFILL_TUNING"
+# Prompt lengths the tables are measured at; a prompt takes the nearest one (log scale), and
+# prompts shorter than MIN_TUNED_T keep the built-in small-tile configs.
+T_BUCKETS = (128, 2048, 8192)
+MIN_TUNED_T = 64
+
+
+def t_bucket(T: int) -> int:
+    """The measured prompt length nearest to T on a log scale."""
+    return min(T_BUCKETS, key=lambda b: abs(math.log2(T / b)))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tuning(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    configs = data.get("configs") if isinstance(data, dict) else None
+    return configs if isinstance(configs, dict) else {}
+
+
+def tuned_config(kernel: str, T: int, keys: tuple[str, ...]) -> Optional[dict]:
+    """The measured config for `kernel` (a name that includes the shape it was measured at) at
+    the bucket of T, or None. An entry must carry exactly `keys` as positive integers."""
+    if T < MIN_TUNED_T:
+        return None
+    path = os.environ.get(TUNING_ENV) or str(TUNING_FILE)
+    entry = _load_tuning(path).get(kernel, {}).get(str(t_bucket(T)))
+    if not isinstance(entry, dict) or set(entry) != set(keys):
+        return None
+    if not all(isinstance(v, int) and v > 0 for v in entry.values()):
+        return None
+    return dict(entry)
+
+
+def clear_tuning_cache() -> None:
+    """Forget the loaded table (after the tuner rewrites it, or in tests)."""
+    _load_tuning.cache_clear()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision for fp32 operands: an fp32 model is the accuracy mode, so its
+    dots are IEEE fp32; with half activations only internal fp32 tiles reach tl.dot, and TF32
+    is plenty for them. (Half operands always run on tensor cores.)"""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_row_offset,
                  HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr):
     # Grouped tile order: GROUP_M row-blocks share each column-block of W while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -54,13 +110,13 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
             mask_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
         if SILU_MUL:
             if EVEN_K:
                 wu = tl.load(u_ptrs, mask=mask_n[:, None], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            acc_up = tl.dot(x, tl.trans(wu), acc_up)
+            acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PREC)
             u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -79,7 +135,22 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
              y.to(dtype), mask=mask)
 
 
-def _gemm_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
+GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def gemm_kernel_name(N: int, K: int, residual: bool, silu_mul: bool) -> str:
+    """Tuning-table name of one GEMM shape (N = output columns)."""
+    epi = "silu_mul" if silu_mul else ("residual" if residual else "plain")
+    return f"gemm_{epi}_N{N}_K{K}"
+
+
+def _gemm_config(M: int, N: int, K: int, silu_mul: bool, residual: bool = False) -> dict:
+    """Measured tiles for this shape when the tuning table has them, else the built-in table."""
+    cfg = tuned_config(gemm_kernel_name(N, K, residual, silu_mul), M, GEMM_KEYS)
+    return cfg if cfg is not None else _gemm_default_config(M, N, K, silu_mul)
+
+
+def _gemm_default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
     """Static tile table (no run-time autotune: prefill must not stall on a first call).
 
     Short prompts are weight-bandwidth bound, so they take a thin M tile and a deep K tile;
@@ -115,11 +186,13 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int, dtype: torch.d
 
 
 def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
-         residual: Optional[torch.Tensor] = None, silu_mul: bool = False) -> torch.Tensor:
+         residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+         config: Optional[dict] = None) -> torch.Tensor:
     """out = x @ W^T with optional fused epilogue (see module docstring); returns out.
 
     x [T, K], W [N, K] contiguous (nn.Linear layout), out [T, N] ([T, N/2] with silu_mul,
     gate rows first in W). Rows of x/out/residual may be strided (views into a wider buffer).
+    `config` (GEMM_KEYS) overrides the tile table: the tuner sweeps through it.
     """
     if x.dtype not in _DTYPES:
         raise TypeError(f"gemm supports {_DTYPES}, got {x.dtype}")
@@ -144,7 +217,7 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         raise ValueError("x, W and out must be on the same device")
     if M == 0:
         return out
-    cfg = _gemm_config(M, N, K, silu_mul)
+    cfg = dict(config) if config is not None else _gemm_config(M, N, K, silu_mul, residual is not None)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     res = residual if residual is not None else out
     _gemm_kernel[grid](
@@ -152,5 +225,6 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
         EVEN_K=(K % cfg["BLOCK_K"] == 0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP_M=cfg["GROUP_M"], DOT_PREC=dot_precision(x.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -44,36 +44,61 @@ MAX_SPLIT_K = 8
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
+def _load_tile(w_rows, x_ptr, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """x[ks] (kept in cache for the other programs) and W[rows, ks] (streamed once) in fp32.
+    The masks are compile-time: an exactly tiled shape loads without any predicate."""
+    if MASK_K:
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        if MASK_N:
+            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr + ks, eviction_policy="evict_last")
+        if MASK_N:
+            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+    return x.to(tl.float32), w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, k_lo, k_hi,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """sum_{k in [k_lo, k_hi)} W[rows, k] * x[k] in fp32; returns [BLOCK_N].
-
-    MASK_N / MASK_K are compile-time: the masks are dropped when the shape tiles exactly, which
-    keeps the loads vectorised and branch-free on the hot path."""
+    """sum_{k in [k_lo, k_hi)} W[rows, k] * x[k] in fp32; returns [BLOCK_N]."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        if MASK_K:
-            k_ok = ks < k_hi
-            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
-            if MASK_N:
-                w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_ok[None, :],
-                            other=0.0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-        else:
-            x = tl.load(x_ptr + ks, eviction_policy="evict_last")
-            if MASK_N:
-                w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x, w = _load_tile(w_rows, x_ptr, ks, row_mask, ks < k_hi, MASK_N, MASK_K)
+        acc += w * x[None, :]
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_rows_pair(x_ptr, w_ptr, rows, row_mask, up_offset, stride_w, K,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """(W[rows] x, W[rows + up_offset] x): the gate and up rows of a merged [gate; up]
+    matrix in one K loop, so both row streams are in flight together and x is read once."""
+    offs_k = tl.arange(0, BLOCK_K)
+    g_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    u_rows = w_ptr + (rows + up_offset).to(tl.int64)[:, None] * stride_w
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        x, wg = _load_tile(g_rows, x_ptr, ks, row_mask, k_ok, MASK_N, MASK_K)
+        _, wu = _load_tile(u_rows, x_ptr, ks, row_mask, k_ok, MASK_N, MASK_K)
+        acc_g += wg * x[None, :]
+        acc_u += wu * x[None, :]
+    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
 
 
 @triton.jit
@@ -84,13 +109,14 @@ def _gemv_direct_kernel(x_ptr, w_ptr, out_ptr, res_ptr, N_OUT, K, stride_w,
     # One program = BLOCK_N output rows over the whole K, epilogue fused.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N_OUT
-    y = _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, 0, K,
-                   BLOCK_N, BLOCK_K, MASK_N, MASK_K)
     if SILU_MUL:
         # up rows sit N_OUT rows below the gate rows of the merged [gate; up] matrix
-        up = _gemv_rows(x_ptr, w_ptr, rows + N_OUT, row_mask, stride_w, 0, K,
-                        BLOCK_N, BLOCK_K, MASK_N, MASK_K)
-        y = y * tl.sigmoid(y) * up
+        gate, up = _gemv_rows_pair(x_ptr, w_ptr, rows, row_mask, N_OUT, stride_w, K,
+                                   BLOCK_N, BLOCK_K, MASK_N, MASK_K)
+        y = gate * tl.sigmoid(gate) * up
+    else:
+        y = _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, 0, K,
+                       BLOCK_N, BLOCK_K, MASK_N, MASK_K)
     if HAS_RESIDUAL:
         y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)

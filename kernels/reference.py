@@ -145,9 +145,9 @@ def penalized_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor,
         seen, generated = (counts[0] + counts[1]) > 0, counts[1] > 0
     else:
         seen = generated = counts > 0
-    rep = torch.tensor(p[5], dtype=torch.float32)
+    rep = torch.tensor(p[5], dtype=torch.float32, device=l.device)
     l = torch.where(seen, torch.where(l < 0, l * rep, l / rep), l)
-    l = torch.where(generated, l - torch.tensor(p[4], dtype=torch.float32), l)
+    l = torch.where(generated, l - torch.tensor(p[4], dtype=torch.float32, device=l.device), l)
     l[valid_vocab:] = float("-inf")
     return l
 
@@ -160,7 +160,7 @@ def sample_from_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor, *
     temperature, top_k, top_p, min_p, greedy = p[0], int(p[1]), p[2], p[3], p[6] != 0
     l = penalized_logits_ref(logits, p, counts, valid_vocab)
     V = l.numel()
-    probs = torch.zeros(V, dtype=torch.float64)
+    probs = torch.zeros(V, dtype=torch.float64, device=l.device)
     if greedy or temperature <= 0:
         probs[int(torch.argmax(l))] = 1.0
         return probs
@@ -169,15 +169,16 @@ def sample_from_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor, *
     kc = 1 << max(0, (int(top_k_max) - 1).bit_length())
     vals, ids = torch.sort(l, descending=True, stable=True)       # ties: lower id first
     vals, ids = vals[:kc], ids[:kc]
-    rank = torch.arange(vals.numel())
+    rank = torch.arange(vals.numel(), device=l.device)
     k_eff = min(top_k, kc) if top_k >= 1 else kc
     k_eff = min(k_eff, vals.numel())
     keep = vals >= vals[k_eff - 1]
-    pw = torch.where(keep, torch.exp((vals - vals[0]) / temperature), torch.zeros(()))
+    zero = vals.new_zeros(())
+    pw = torch.where(keep, torch.exp((vals - vals[0]) / temperature), zero)
     prob = pw / pw.sum()
     before = torch.cumsum(prob, 0) - prob
     keep &= (before < top_p) | (rank == 0)
     keep &= (pw >= min_p) | (rank == 0)
-    w = torch.where(keep, pw, torch.zeros(())).double()
+    w = torch.where(keep, pw, zero).double()
     probs[ids] = w / w.sum()
     return probs

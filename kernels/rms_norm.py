@@ -41,9 +41,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str) -> in
     D = x.shape[-1]
     if w.dim() != 1 or w.numel() != D or not w.is_contiguous() or w.dtype not in _DTYPES:
         raise ValueError(f"{name}: w must be a contiguous [{D}] float vector")
-    if out.shape != x.shape or not out.is_contiguous() or out.dtype not in _DTYPES:
-        raise ValueError(f"{name}: out must be a contiguous float tensor shaped like x "
-                         f"{tuple(x.shape)}, got {tuple(out.shape)}")
+    if out.numel() != x.numel() or not out.is_contiguous() or out.dtype not in _DTYPES:
+        raise ValueError(f"{name}: out must be a contiguous float tensor with x's "
+                         f"{x.numel()} elements, got {tuple(out.shape)}")
     if not (x.device == w.device == out.device):
         raise ValueError(f"{name}: tensors must be on one device")
     if D > 65536:
@@ -63,7 +63,8 @@ def _launch(x, res, w, out, eps, add_residual):
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """out = x * rsqrt(mean(x^2) + eps) * (1 + w) per row; x, out [T, D] or [D]. Returns out."""
+    """out = x * rsqrt(mean(x^2) + eps) * (1 + w) per row of x [T, D] or [D]; out holds as
+    many elements (e.g. [D] for a [1, D] x). Returns out."""
     _check(x, w, out, "rms_norm")
     _launch(x, x, w, out, eps, False)
     return out
@@ -74,8 +75,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
     """residual += x (rounded to residual.dtype, in place), then out = rms_norm(residual).
     x, residual, out [T, D] or [D]; out must not alias residual. Returns out."""
     _check(x, w, out, "add_rms_norm")
-    if residual.shape != x.shape or not residual.is_contiguous() or residual.dtype not in _DTYPES:
-        raise ValueError("add_rms_norm: residual must be a contiguous float tensor shaped like x")
+    if (residual.numel() != x.numel() or not residual.is_contiguous()
+            or residual.dtype not in _DTYPES):
+        raise ValueError("add_rms_norm: residual must be a contiguous float tensor with x's "
+                         "elements")
     if residual.device != x.device:
         raise ValueError("add_rms_norm: tensors must be on one device")
     if out.data_ptr() == residual.data_ptr():

@@ -272,24 +272,22 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
         ids = _unpack_idx(keys)
         in_kc = rank < KC
         v_top = tl.max(vals, axis=0)
-        if greedy:
-            n_pos = 1
-            w = tl.where(rank == 0, 1.0, 0.0)
-        else:
-            temperature = tl.load(params_ptr + 0)
-            top_k = tl.load(params_ptr + 1).to(tl.int32)
-            top_p = tl.load(params_ptr + 2)
-            min_p = tl.load(params_ptr + 3)
-            k_eff = tl.where(top_k >= 1, tl.minimum(top_k, KC), KC)
-            v_kth = tl.sum(tl.where(rank == k_eff - 1, vals, 0.0), axis=0)
-            keep = in_kc & (vals >= v_kth)                                   # top-k, ties kept
-            pw = tl.where(keep, tl.exp((vals - v_top) / temperature), 0.0)   # p_i / p_0
-            prob = pw / tl.sum(pw, axis=0)
-            before = tl.cumsum(prob, axis=0) - prob                          # mass ranked above
-            keep = keep & ((before < top_p) | (rank == 0))                   # top-p
-            keep = keep & ((pw >= min_p) | (rank == 0))                      # min-p
-            w = tl.where(keep, pw, 0.0)
-            n_pos = tl.sum((w > 0.0).to(tl.int32), axis=0)                  # kept set = prefix
+        temperature = tl.load(params_ptr + 0)
+        top_k = tl.load(params_ptr + 1).to(tl.int32)
+        top_p = tl.load(params_ptr + 2)
+        min_p = tl.load(params_ptr + 3)
+        k_eff = tl.where(top_k >= 1, tl.minimum(top_k, KC), KC)
+        v_kth = tl.sum(tl.where(rank == k_eff - 1, vals, 0.0), axis=0)
+        keep = in_kc & (vals >= v_kth)                                   # top-k, ties kept
+        t_safe = tl.where(greedy, 1.0, temperature)                      # T <= 0: unused
+        pw = tl.where(keep, tl.exp((vals - v_top) / t_safe), 0.0)        # p_i / p_0
+        prob = pw / tl.sum(pw, axis=0)
+        before = tl.cumsum(prob, axis=0) - prob                          # mass ranked above
+        keep = keep & ((before < top_p) | (rank == 0))                   # top-p
+        keep = keep & ((pw >= min_p) | (rank == 0))                      # min-p
+        # greedy: rank 0 only
+        w = tl.where(greedy, tl.where(rank == 0, 1.0, 0.0), tl.where(keep, pw, 0.0))
+        n_pos = tl.sum((w > 0.0).to(tl.int32), axis=0)                  # kept set = prefix
         cum = tl.cumsum(w, axis=0)
         total = tl.sum(w, axis=0)
         for d0 in range(0, N_DRAWS, DRAW_BLOCK):
@@ -392,11 +390,12 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
         _topk_merge_kernel[(programs,)](scratch[in_off:], n_in, scratch[out_off:], params,
                                         KC=kc, CHUNK=chunk, num_warps=8)
     chunk_f = max(kc, triton.next_power_of_2(p["n_final"]))
+    block_nb = triton.next_power_of_2(nb)
+    # draws per iteration of the final loop: keep a [DRAW_BLOCK, CHUNK] tile around 8K values
+    draw_block = min(triton.next_power_of_2(n_draws), max(1, 8192 // max(chunk_f, block_nb)))
     _sample_final_kernel[(1,)](
         scratch[p["final_off"]:], p["n_final"], gum, nb, params, seed_offset, token_out,
-        n_draws, KC=kc, CHUNK=chunk_f, BLOCK_NB=triton.next_power_of_2(nb),
-        DRAW_BLOCK=min(triton.next_power_of_2(n_draws), max(1, 8192 // max(chunk_f, triton.next_power_of_2(nb)))),
-        num_warps=8)
+        n_draws, KC=kc, CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, num_warps=8)
     return token_out
 
 

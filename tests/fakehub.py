@@ -19,8 +19,10 @@ Faults, to test a downloader (all on LFS file bodies, the ones big enough to sta
     corrupt        these files are always served with one byte flipped
     corrupt_once   these files are served with one byte flipped the first time only
     ignore_range   answer Range requests with the whole file (200), as some proxies do
+    fail_first     the next N GETs of LFS bytes answer 503, as an overloaded CDN does
 
-`requests` logs every request as (method, path, Range header); `bodies` logs every body served as
+`requests` logs every request as (method, path, Range header), `authorization` the Authorization
+header each server saw as (server "hub" | "cdn", path, header or None); `bodies` logs every body served as
 [file, Range header, status, bytes sent so far]; `served[file]` sums the bytes sent per file.
 
 Other tests reuse this module: `from tests.fakehub import FakeHub, fake_model_files, hub_env`
@@ -101,7 +103,7 @@ class _Server(ThreadingHTTPServer):
 class FakeHub:
     def __init__(self, files: dict[str, bytes], repo_id: str = DEFAULT_REPO, *, stall_after: Optional[int] = None,
                  drop_once: bool = False, corrupt: Iterable[str] = (), corrupt_once: Iterable[str] = (),
-                 throttle_bps: Optional[float] = None, ignore_range: bool = False,
+                 throttle_bps: Optional[float] = None, ignore_range: bool = False, fail_first: int = 0,
                  lfs: Optional[Iterable[str]] = None, stall_s: float = 60.0):
         self.files = dict(files)
         self.repo_id = repo_id
@@ -111,12 +113,14 @@ class FakeHub:
         self.corrupt_once = set(corrupt_once)
         self.throttle_bps = throttle_bps
         self.ignore_range = ignore_range
+        self.fail_first = fail_first
         self.stall_s = stall_s
         self.lfs = set(lfs) if lfs is not None else {n for n in self.files if n.endswith(".safetensors")}
         self.oid = {n: git_blob_id(d) for n, d in self.files.items()}
         self.sha256 = {n: hashlib.sha256(d).hexdigest() for n, d in self.files.items()}
         self.commit = hashlib.sha1("".join(f"{n}:{self.oid[n]};" for n in sorted(self.files)).encode()).hexdigest()
         self.requests: list[tuple[str, str, Optional[str]]] = []
+        self.authorization: list[tuple[str, str, Optional[str]]] = []
         self.bodies: list[list] = []  # [file, Range header, status, bytes sent so far]
         self.served: dict[str, int] = {n: 0 for n in self.files}
         self._lock = threading.Lock()
@@ -209,8 +213,14 @@ class FakeHub:
             def _route(self, method: str) -> None:
                 with hub._lock:
                     hub.requests.append((method, self.path, self.headers.get("Range")))
+                    hub.authorization.append((role, self.path, self.headers.get("Authorization")))
                 raw_path, _, query = self.path.partition("?")
                 params = urllib.parse.parse_qs(query)
+                if method == "GET" and role == "cdn":
+                    with hub._lock:
+                        overloaded, hub.fail_first = hub.fail_first > 0, max(0, hub.fail_first - 1)
+                    if overloaded:
+                        return self._error(503, None, "Service unavailable")
                 if role == "cdn":
                     match = re.fullmatch(r"/cdn/([0-9a-f]{64})", raw_path)
                     names = [n for n in hub.lfs if match and hub.sha256[n] == match.group(1)]

@@ -1,9 +1,11 @@
 """engine/hub.py against the fake hub of tests/fakehub.py: download, resume, retry, verify, offline."""
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakehub import SHARD, FakeHub, closed_port_url, fake_model_files, hub_env  # noqa: F401  (hub_env: fixture)
+from tests.fakehub import SHARD, FakeHub, fake_model_files, hub_env  # noqa: F401  (hub_env: fixture)
 from tritonchat.engine import hub
 from tritonchat.engine.errors import DownloadError
 from tritonchat.engine.hub import (
@@ -243,6 +245,12 @@ def test_full_download_progress_and_hub_compatibility(hub_env):
     moving = [e for e in events if e.stage == "download" and e.speed_bps > 0]
     assert moving and all(e.eta_s is not None and e.eta_s >= 0 for e in moving)
     assert all(fake.served[n] == 0 for n in SKIPPED)  # preprocessor configs, README, LICENSE untouched
+    # One listing, then each file once (the small index twice: planning reads it), nothing else.
+    resolve = f"/{DEFAULT_MODEL}/resolve/{fake.commit}/"
+    assert fake.requests[0] == ("GET", f"/api/models/{DEFAULT_MODEL}/revision/main?blobs=true", None)
+    fetched = sorted(path[len(resolve):] for _, path, _ in fake.requests[1:] if path.startswith(resolve))
+    assert fetched == sorted([*wanted, "model.safetensors.index.json"])
+    assert len(fake.requests) == 1 + len(fetched) + len(fake.lfs)  # + the CDN GET of each LFS file
     assert (hub_env.cache / REPO_DIR / "refs" / "main").read_text() == fake.commit
 
     # Cached: no network at all the second time, offline or not.
@@ -261,6 +269,15 @@ def test_full_download_progress_and_hub_compatibility(hub_env):
         path = hf_hub_download(DEFAULT_MODEL, name, cache_dir=hub_env.cache, endpoint=fake.endpoint)
         assert Path(path) == dest / name
     assert len(fake.bodies) == bodies
+
+
+def test_the_token_goes_to_the_hub_but_never_to_the_cdn(hub_env, monkeypatch):
+    monkeypatch.delenv("HF_HUB_DISABLE_IMPLICIT_TOKEN")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+    resolve_model(DEFAULT_MODEL, retry=FAST)
+    seen = {(server, auth) for server, _, auth in fake.authorization}
+    assert seen == {("hub", "Bearer hf_secret"), ("cdn", None)}
 
 
 def test_a_cache_written_by_huggingface_hub_is_used(hub_env):
@@ -302,17 +319,40 @@ def test_retry_after_a_stall_resumes_mid_file(hub_env):
 
 
 def test_retries_back_off_exponentially_then_give_up(hub_env, monkeypatch):
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 12), fail_first=100)  # the CDN answers 503
     sleeps: list[float] = []
     monkeypatch.setattr(hub.time, "sleep", sleeps.append)
     events: list[DownloadProgress] = []
-    policy = RetryPolicy(attempts=4, backoff_s=0.5, max_backoff_s=3.0, stall_s=1.0)
-    with pytest.raises(DownloadError) as e:
+    policy = RetryPolicy(attempts=5, backoff_s=0.5, max_backoff_s=3.0, stall_s=5.0)
+    with pytest.raises(DownloadError, match=r"\(the hub answered HTTP 503\)") as e:
         resolve_model(DEFAULT_MODEL, progress=events.append, retry=policy)
-    assert sleeps == [0.5, 1.0, 2.0, 3.0]
-    assert [e.stage for e in events] == ["retry"] * 4 + ["error"]
+    assert sleeps == [0.5, 1.0, 2.0, 3.0, 3.0]
+    retries = [e for e in events if e.stage == "retry"]
+    assert events[0].stage == "download" and events[-1].stage == "error" and len(retries) == 5
+    assert all(e.file == SHARD for e in retries)
+    assert retries[2].message == "The hub answered HTTP 503; retrying in 2.0 s (attempt 4)."
+    assert one_sentence(str(e.value))
+    assert fake.fail_first == 100 - 6  # the first try and five retries
+
+    # The same policy recovers when the hub comes back before the retries run out.
+    fake.fail_first = 3
+    assert_snapshot(resolve_model(DEFAULT_MODEL, retry=policy), text_files(fake.files))
+
+
+def test_no_network_fails_within_seconds(hub_env, monkeypatch):
+    sleeps: list[float] = []
+    monkeypatch.setattr(hub.time, "sleep", sleeps.append)
+    events: list[DownloadProgress] = []
+    with pytest.raises(DownloadError) as e:
+        resolve_model(DEFAULT_MODEL, progress=events.append)  # the default policy, against a closed port
+    assert sum(sleeps) <= 3.0 and len(sleeps) == 2
+    assert [e.stage for e in events] == ["retry", "retry", "error"]
+    assert events[0].message == "No network; retrying in 1.0 s (attempt 2)."
     cache = hub_env.cache / REPO_DIR / "snapshots" / "manual"
     assert str(e.value) == (f"Could not download {DEFAULT_MODEL} (no network); download it elsewhere and put its "
                             f"files in {cache} or pass --model /path/to/folder.")
+    with pytest.raises(DownloadError, match=r"\(no network\); try again later, or download it elsewhere"):
+        plan_download(retry=RetryPolicy(backoff_s=0.0))
 
 
 def test_offline_messages(hub_env, monkeypatch):
@@ -368,6 +408,32 @@ def test_garbage_in_a_partial_file_is_caught_and_replaced(hub_env):
     assert any(e.stage == "retry" and SHARD in e.message for e in events)
 
 
+def test_a_part_file_longer_than_the_file_is_started_over(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    part = hub_env.cache / REPO_DIR / "blobs" / f"{fake.sha256[SHARD]}.incomplete"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"x" * (len(files[SHARD]) + 10))
+    events: list[DownloadProgress] = []
+    assert_snapshot(resolve_model(DEFAULT_MODEL, progress=events.append, retry=FAST), text_files(files))
+    assert fake.body_ranges(SHARD) == [None]
+    assert events[-1].done_bytes == events[-1].total_bytes
+
+
+def test_a_file_longer_than_the_hub_says_is_rejected(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    plan = plan_download()
+    fake.files[SHARD] = files[SHARD] + b"trailing bytes the listing does not know"
+    events: list[DownloadProgress] = []
+    with pytest.raises(DownloadError) as e:
+        hub.download(plan, progress=events.append, retry=FAST)
+    size = len(files[SHARD])
+    assert f"({SHARD} came with {size + 40} bytes instead of {size} twice); try again later" in str(e.value)
+    assert one_sentence(str(e.value)) and events[-1].stage == "error"
+    assert not (plan.dest / SHARD).exists() and local_model_dir() is None
+
+
 def test_a_server_that_ignores_range_restarts_the_file(hub_env):
     files = fake_model_files(weights_bytes=1 << 18)
     fake = hub_env.serve(files, ignore_range=True)
@@ -377,6 +443,18 @@ def test_a_server_that_ignores_range_restarts_the_file(hub_env):
     dest = resolve_model(DEFAULT_MODEL, retry=FAST)
     assert_snapshot(dest, text_files(files))
     assert fake.body_ranges(SHARD) == ["bytes=7000-"]  # answered with 200: written from byte 0, not appended
+
+
+def test_a_full_disk_is_one_sentence(hub_env, monkeypatch):
+    hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hub, "_fetch_once", no_space)
+    with pytest.raises(DownloadError, match=rf"\(the disk holding {re.escape(str(hub_env.cache))} is full\)") as e:
+        resolve_model(DEFAULT_MODEL, retry=FAST)
+    assert one_sentence(str(e.value)) and "No space left" in e.value.details
 
 
 # ------------------------------------------------------------------------------------------------
@@ -486,19 +564,23 @@ def test_cli_progress_printer_draws_one_line_on_a_terminal():
     out = _Terminal()
     show = cli_progress_printer(out)
     total = 1_746_942_600
-    show(DownloadProgress("download", 0, total, 0.0, None, "config.json", "Downloading 9 files."))
+    show(DownloadProgress("download", 0, total, 0.0, None, "", "Downloading 9 files (1.75 GB) to /x."))
     time.sleep(0.11)
     show(DownloadProgress("download", total // 2, total, 12.5e6, 70.0, SHARD))
     show(DownloadProgress("download", total // 2 + 1, total, 12.5e6, 70.0, SHARD))  # within 0.1 s: skipped
     show(DownloadProgress("retry", total // 2, total, 0.0, None, SHARD, "The connection stalled; retrying in 1.0 s (attempt 2)."))
+    show(DownloadProgress("verify", total, total, 0.0, None, SHARD, "Checking it."))
     show(DownloadProgress("done", total, total, 0.0, None, "", "Downloaded it."))
-    text = out.getvalue()
-    lines = text.split("\n")
-    assert "\r" in lines[0] and "50.0%" in lines[0] and "873.47 MB" not in lines[0]
-    assert "873.5 MB / 1.75 GB" in lines[0] and "12.5 MB/s" in lines[0] and "ETA 1:10" in lines[0]
-    assert text.count("50.0%") == 1
-    assert lines[1] == "The connection stalled; retrying in 1.0 s (attempt 2)."
-    assert "100.0%" in lines[2] and lines[3] == "Downloaded it." and text.endswith("\n")
+    lines = out.getvalue().split("\n")
+    assert lines[0] == "Downloading 9 files (1.75 GB) to /x."
+    bar = lines[1].split("\r")
+    assert bar[0] == "" and "  0.0%" in bar[1] and "ETA --:--" in bar[1]
+    assert len(bar) == 3 and "50.0%" in bar[2] and "[############............]" in bar[2]
+    assert "873.5 MB / 1.75 GB" in bar[2] and "12.5 MB/s" in bar[2] and "ETA 1:10" in bar[2]
+    assert len(bar[2]) >= len(bar[1])  # each redraw covers the previous one
+    assert lines[2] == "The connection stalled; retrying in 1.0 s (attempt 2)."
+    assert "100.0%" in lines[3] and "Checking" not in out.getvalue()
+    assert lines[4:] == ["Downloaded it.", ""]
 
 
 def test_cli_progress_printer_writes_plain_lines_to_a_log():
@@ -506,11 +588,11 @@ def test_cli_progress_printer_writes_plain_lines_to_a_log():
     show = cli_progress_printer(out)
     show(DownloadProgress("download", 0, 100, 0.0, None))
     show(DownloadProgress("download", 50, 100, 10.0, 5.0))  # within 5 s: skipped in a log
-    show(DownloadProgress("error", 50, 100, message="Could not download X (no network)."))
-    assert "\r" not in out.getvalue()
+    show(DownloadProgress("cancelled", 50, 100, message="Download cancelled."))
+    show(DownloadProgress("error", 50, 100, message="Could not download X (no network)."))  # the caller prints it
     assert out.getvalue().splitlines() == [
         "Downloading   0.0% [........................] 0 B / 100 B  -- B/s  ETA --:--",
-        "Could not download X (no network).",
+        "Download cancelled.",
     ]
 
 

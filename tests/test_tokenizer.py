@@ -251,6 +251,13 @@ def test_encode_matches_transformers(folder, tok):
     for text in texts:
         assert tok.encode(text) == hf.encode(text, add_special_tokens=False), text
         assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text, add_special_tokens=False))
+    # With special tokens allowed, our own cutting at special tokens matches tokenizers' matching.
+    names = [name for name, _ in QWEN35_ADDED_TOKENS]
+    for _ in range(100):
+        parts = [rng.choice(names) if rng.random() < 0.3 else _random_text(rng, rng.randint(0, 6))
+                 for _ in range(rng.randint(1, 8))]
+        text = "".join(parts)
+        assert tok.encode(text, allow_special=True) == hf.encode(text, add_special_tokens=False), text
 
 
 def test_special_text_is_plain_unless_allowed(folder, tok):
@@ -414,18 +421,27 @@ def test_stream_random_multilingual(tok):
         pieces, tail = _stream(tok, ids)
         assert all("\ufffd" not in p for p in pieces)
         assert "".join(pieces) + tail == tok.decode(ids)
+        # Shown as early as possible: all of each prefix except an unfinished last character.
+        for k in range(0, len(ids), 7):
+            assert "".join(pieces[:k + 1]) == tok.decode(ids[:k + 1]).rstrip("\ufffd")
 
 
 def test_stream_holds_partial_characters(tok):
-    # Find characters the tiny BPE splits into several byte tokens: only the last push shows them.
+    # Characters the tiny BPE splits into several byte tokens appear only once complete, and
+    # everything before them appears at once: after each push the text shown is exactly the
+    # decoded prefix minus its unfinished character.
     split = [ch for ch in ["😀", "🎉", "你", "𝄞", "Ω", "中"] if len(tok.encode(ch)) > 1]
-    assert split, "the fixture should split some multi-byte characters"
+    assert len(split) >= 3, "the fixture should split some multi-byte characters"
     for ch in split:
-        ids = tok.encode("a" + ch + "b")
-        pieces, tail = _stream(tok, ids)
-        assert "".join(pieces) == "a" + ch + "b" and tail == ""
-        assert ch in pieces or any(p.startswith(ch) for p in pieces)
-        assert all(ch not in p or p.index(ch) + len(ch) <= len(p) for p in pieces)
+        ids = tok.encode("a " + ch + " b" + ch)
+        decoder = tok.stream_decoder()
+        shown, held = "", 0
+        for k, i in enumerate(ids):
+            piece = decoder.push(i)
+            held += piece == ""
+            shown += piece
+            assert shown == tok.decode(ids[:k + 1]).rstrip("\ufffd")
+        assert held >= 1 and shown == "a " + ch + " b" + ch and decoder.flush() == ""
 
 
 def test_stream_random_ids_including_invalid_utf8(tok):
@@ -436,7 +452,9 @@ def test_stream_random_ids_including_invalid_utf8(tok):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
         for skip in (False, True):
             pieces, tail = _stream(tok, ids, skip_special=skip)
-            assert "".join(pieces) + tail == tok.decode(ids, skip_special=skip)
+            final = tok.decode(ids, skip_special=skip)
+            assert "".join(pieces) + tail == final
+            assert all(final.startswith("".join(pieces[:k])) for k in range(len(pieces)))
 
 
 def test_stream_unfinished_character_is_flushed(tok):
@@ -454,3 +472,61 @@ def test_stream_decoder_continues_after_flush(tok):
     first = "".join(decoder.push(i) for i in tok.encode("你好")) + decoder.flush()
     second = "".join(decoder.push(i) for i in tok.encode(" 世界")) + decoder.flush()
     assert first + second == "你好 世界"
+
+
+# ------------------------------------------------------------------ StreamDecoder on its own
+
+def test_stream_decoder_bytes_algorithm():
+    # Tokens that are raw byte strings, decoded lossily like a byte-level BPE: random byte soup
+    # (valid UTF-8 cut anywhere, stray continuation bytes, truncated sequences).
+    from tritonchat.engine.tokenizer import StreamDecoder
+    rng = random.Random(4)
+    sample = "aé你😀𝄞\u0301".encode("utf-8") + bytes([0x80, 0xBF, 0xC0, 0xE2, 0x82, 0xF0, 0xFF])
+    for _ in range(300):
+        table = [bytes(rng.choice(sample) for _ in range(rng.randint(1, 3))) for _ in range(12)]
+        ids = [rng.randrange(len(table)) for _ in range(rng.randint(1, 25))]
+
+        def decode(chunk, table=table):
+            return b"".join(table[i] for i in chunk).decode("utf-8", errors="replace")
+
+        decoder = StreamDecoder(decode)
+        pieces = [decoder.push(i) for i in ids]
+        final = decode(ids)
+        assert "".join(pieces) + decoder.flush() == final
+        # Whatever was shown at any point is never revised by later tokens.
+        shown = ""
+        for p in pieces:
+            shown += p
+            assert final.startswith(shown)
+        assert decoder.token_ids == ids
+
+
+def test_stream_decoder_keeps_left_context():
+    # A SentencePiece-like decoder drops the space marker of the first token it decodes: the
+    # previous window is decoded along so that word boundaries survive.
+    from tritonchat.engine.tokenizer import StreamDecoder
+    words = ["▁Hello", "▁world", ",", "▁again", "!"]
+
+    def decode(chunk):
+        return "".join(words[i] for i in chunk).replace("▁", " ").lstrip(" ")
+
+    ids = [0, 1, 2, 3, 4, 1]
+    decoder = StreamDecoder(decode)
+    pieces = [decoder.push(i) for i in ids]
+    assert pieces == ["Hello", " world", ",", " again", "!", " world"]
+    assert decoder.flush() == ""
+
+
+def test_stream_decoder_never_repeats_when_context_rewrites_text():
+    # A decoder that rewrites earlier text once later tokens arrive (" ." -> "."): what was shown
+    # stays shown and is not sent again.
+    from tritonchat.engine.tokenizer import StreamDecoder
+    table = ["a", " ", ".", "b"]
+
+    def decode(chunk):
+        return "".join(table[i] for i in chunk).replace(" .", ".")
+
+    decoder = StreamDecoder(decode)
+    pieces = [decoder.push(i) for i in [0, 1, 2, 3]]
+    assert pieces == ["a", " ", "", "b"]
+    assert decoder.flush() == ""

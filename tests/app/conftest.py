@@ -44,6 +44,7 @@ class RecordingSession:
         self.calls: list[tuple] = []
         self.fail_generate: BaseException | None = None
         self.fail_after_text = 0
+        self.extra_kwargs: dict = {}     # e.g. ignore_eos=True: random weights may end at once
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -58,7 +59,7 @@ class RecordingSession:
                 for i in range(self.fail_after_text):
                     on_text("", f"partial{i} ")
             raise exc
-        return self.inner.generate(messages, params, **kw)
+        return self.inner.generate(messages, params, **kw, **self.extra_kwargs)
 
     def configure(self, **kw):
         self.calls.append(("configure", kw))
@@ -103,7 +104,10 @@ def make_window(qtbot, store, qsettings, tiny_model_dir, recording_loader, error
 
     windows = []
 
-    def make(model=None, *, load=True, seed="7", max_new_tokens=48, thinking=False, **kw):
+    def make(model=None, *, load=True, seed="7", max_new_tokens=48, thinking=False, context=2048,
+             ignore_eos=False, **kw):
+        # a short context keeps the reference engine fast (its step cost grows with the cache)
+        qsettings.setValue("engine/context_length", context)
         qsettings.setValue("generation/seed", seed)
         qsettings.setValue("generation/max_new_tokens", max_new_tokens)
         qsettings.setValue("generation/thinking", thinking)
@@ -115,9 +119,37 @@ def make_window(qtbot, store, qsettings, tiny_model_dir, recording_loader, error
         if load:
             with qtbot.waitSignal(w.modelLoaded, timeout=60000):
                 w.start()
+            if ignore_eos:     # answers that run until stopped, whatever the random weights say
+                recording_loader.sessions[-1].extra_kwargs["ignore_eos"] = True
         return w
 
     yield make
     for w in windows:
         w.close()
         assert w.engine.thread.wait(30000)
+
+
+@pytest.fixture
+def on_gui():
+    """on_gui(signal, fn): call fn(*args) on the GUI thread for each emission of a worker signal.
+    (A plain function connected to another thread's signal would run on that thread.)"""
+    from PySide6.QtCore import QObject
+
+    class Relay(QObject):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def call(self, *args):
+            self.fn(*args)
+
+    relays = []
+
+    def connect(signal, fn):
+        relay = Relay(fn)
+        relays.append(relay)
+        signal.connect(relay.call)
+        return relay
+
+    yield connect
+    relays.clear()

@@ -538,3 +538,20 @@ def test_real_hub_download_cancel_and_resume(qtbot, real_hub_env):
     # The shard resumed with a Range request instead of starting from zero.
     ranges = server.body_ranges(fakehub.SHARD)
     assert any(r and not r.startswith("bytes=0-") for r in ranges), ranges
+
+
+def test_real_hub_retry_is_shown_and_download_verifies(qtbot, real_hub_env):
+    fakehub, env = real_hub_env
+    files = fakehub.fake_model_files(weights_bytes=400_000, seed=5)
+    env.serve(files, drop_once=True)
+    dlg = _real_hub_dialog(qtbot, env.cache)
+    assert dlg.state == "ready", dlg.info_label.text()
+    stages = []
+    original = dlg._on_progress
+    dlg._on_progress = lambda p: (stages.append(p.stage), original(p))
+    with qtbot.waitSignal(dlg.finished, timeout=60000):
+        dlg.download_button.click()
+    assert dlg.result() == QDialog.DialogCode.Accepted.value, dlg.notice_label.text()
+    assert "retrying" in dlg.notice_label.text()
+    assert "retry" in stages and "verify" in stages and stages[-1] == "done"
+    assert (dlg.result_dir / fakehub.SHARD).read_bytes() == files[fakehub.SHARD]

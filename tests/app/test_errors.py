@@ -98,7 +98,8 @@ def test_compile_failure_detected_from_the_command(tmp_path: Path):
     assert "could not compile" in sentence and "gcc" in sentence
     # Some other program failing is not a compile failure.
     other = subprocess.CalledProcessError(2, ["nvidia-smi", "-L"])
-    assert describe_exception(raised(other))[0].startswith("Something went wrong: CalledProcessError")
+    assert describe_exception(raised(other))[0].startswith(
+        "Something went wrong: CalledProcessError")
 
 
 def test_missing_model_file_and_other_files():

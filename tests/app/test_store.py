@@ -305,6 +305,22 @@ def test_corrupt_file_gives_one_sentence(tmp_path: Path):
     assert info.value.details
 
 
+def test_locked_file_gives_one_sentence(tmp_path: Path, monkeypatch):
+    path = tmp_path / "locked.sqlite3"
+    ChatStore(path).close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("PRAGMA journal_mode = DELETE")       # so EXCLUSIVE locks readers out too
+    other.execute("BEGIN EXCLUSIVE")
+    monkeypatch.setattr(ChatStore, "BUSY_TIMEOUT_S", 0.05)
+    try:
+        with pytest.raises(ChatStoreError, match="busy in another program"):
+            ChatStore(path)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    ChatStore(path).close()                             # fine once the other one lets go
+
+
 def test_export_json(store: ChatStore):
     c = store.create_conversation("Export me")
     store.add_message(c, "system", "Be brief.")

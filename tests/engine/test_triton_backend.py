@@ -55,6 +55,8 @@ def test_interpreter_greedy_equals_reference(ckpt, split_k):
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_sampling_reproducible_and_in_vocab(ckpt):
+    if "odd" in str(ckpt):
+        pytest.skip("sampling is shape-independent; covered on one checkpoint (the interpreter is slow)")
     cfg, ref, tri = _pair(ckpt, graph=False)
     tri.valid_vocab = cfg.vocab_size - 7
     p = SamplingParams(seed=5, temperature=0.9, top_k=8, top_p=0.9, min_p=0.01, presence_penalty=0.3,
@@ -124,12 +126,12 @@ def test_gpu_decode_step_allocates_nothing_and_never_syncs(ckpt):
     tri._decode_step()                                   # compile first
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    # capturing fails on any host synchronisation inside the step
+    tri._decode_step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "the decode step allocated"
+    # stream capture fails on any host synchronisation inside the step
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         with torch.cuda.graph(g, stream=s):
             tri._decode_step()
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_stats()["allocation.all.allocated"]
-    assert after == before, "the decode step allocated device memory"

@@ -14,13 +14,14 @@ SMALL = dict(num_k_heads=2, num_v_heads=4, head_k_dim=24, head_v_dim=40)
 
 
 def _assert_close(x, ref, dtype):
-    """fp32 on the interpreter: elementwise. Otherwise (half, or TF32 dots on a GPU) the chunk
-    path rounds q/k/W/U/Vn/S0 before its tensor-core dots, and the gated RMSNorm magnifies that
-    on rows of small norm, so compare the relative L2 error and bound the worst element."""
+    """fp32 (IEEE dots): elementwise. Half: the chunk path rounds q/k/W/U/Vn/S0 before its
+    tensor-core dots and the gated RMSNorm magnifies that on rows of small norm, so compare the
+    relative L2 error and bound the worst element."""
     x, ref = x.float(), ref.float()
     assert torch.isfinite(x).all()
-    if dtype == torch.float32 and DEVICE == "cpu":
-        torch.testing.assert_close(x, ref, rtol=2e-4, atol=2e-4)
+    if dtype == torch.float32:
+        tol = 2e-4 if DEVICE == "cpu" else 1e-3
+        torch.testing.assert_close(x, ref, rtol=tol, atol=tol)
         return
     rel = ((x - ref).norm() / ref.norm()).item()
     worst = (x - ref).abs().max().item() / ref.abs().max().item()
@@ -190,6 +191,8 @@ def test_gdn_true_shape_bf16(T):
     out, st = _run(gdn_prefill, inputs, TRUE)
     ref, st_ref = _run(gdn_prefill_ref, inputs, TRUE)      # fp32 recurrence, output rounded
     assert torch.isfinite(out).all() and torch.isfinite(st).all()
+    # A torch emulation of this kernel's bf16 rounding points gives 5.5e-3 / 2.4e-3 relative L2
+    # error (output / state) and a worst element of 1.7e-2 of the largest at T = 2048.
     assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
-    assert _rel_err(st, st_ref) < 1e-2, _rel_err(st, st_ref)
-    assert (out.float() - ref.float()).abs().max().item() < 0.1 * ref.float().abs().max().item()
+    assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
+    assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()

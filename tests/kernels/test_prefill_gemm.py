@@ -10,9 +10,9 @@ T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]
 
 
 def _tol(dtype):
-    # fp32 on a GPU runs tl.dot in TF32; under the interpreter it is exact fp32
+    # fp32 dots are IEEE (exact under the interpreter, FMA order on a GPU)
     if dtype == torch.float32:
-        return (1e-5, 1e-5) if DEVICE == "cpu" else (5e-3, 5e-3)
+        return (1e-5, 1e-5) if DEVICE == "cpu" else (1e-4, 1e-4)
     return (4e-3, 2e-3)      # half: one rounding of a K-sum taken in another order
 
 

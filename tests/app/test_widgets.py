@@ -1,0 +1,221 @@
+"""Input box, conversation list, timing panel: keys, signals and what they show."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from PySide6.QtCore import Qt
+
+from tritonchat.app.chat_input import MAX_LINES, ChatInput
+from tritonchat.app.conversation_list import ConversationList, age_text
+from tritonchat.app.theme import DARK, LIGHT
+from tritonchat.app.timing_panel import TimingPanel
+
+
+# ---------------------------------------------------------------- input
+
+@pytest.fixture
+def chat_input(qtbot):
+    w = ChatInput()
+    qtbot.addWidget(w)
+    w.show()
+    return w
+
+
+def test_enter_sends_shift_enter_breaks_line(chat_input, qtbot):
+    box = chat_input.box
+    qtbot.keyClicks(box, "hello")
+    qtbot.keyClick(box, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(box, "world")
+    assert chat_input.text() == "hello\nworld"
+    with qtbot.waitSignal(chat_input.sendRequested) as blocker:
+        qtbot.keyClick(box, Qt.Key.Key_Return)
+    assert blocker.args == ["hello\nworld"]
+    assert chat_input.text() == "hello\nworld"           # the window clears it once it is stored
+
+
+def test_blank_text_and_not_ready_do_not_send(chat_input, qtbot):
+    sent = []
+    chat_input.sendRequested.connect(sent.append)
+    qtbot.keyClicks(chat_input.box, "   ")
+    qtbot.keyClick(chat_input.box, Qt.Key.Key_Return)
+    assert sent == [] and not chat_input.send_button.isEnabled()
+    chat_input.set_text("real text")
+    chat_input.set_ready(False, "The model is loading")
+    qtbot.keyClick(chat_input.box, Qt.Key.Key_Return)
+    assert sent == [] and chat_input.send_button.toolTip() == "The model is loading"
+    chat_input.set_ready(True)
+    chat_input.send_button.click()
+    assert sent == ["real text"]
+
+
+def test_escape_and_stop_button_stop(chat_input, qtbot):
+    chat_input.set_generating(True)
+    assert chat_input.stop_button.isVisible() and not chat_input.send_button.isVisible()
+    with qtbot.waitSignal(chat_input.stopRequested):
+        qtbot.keyClick(chat_input.box, Qt.Key.Key_Escape)
+    with qtbot.waitSignal(chat_input.stopRequested):
+        chat_input.stop_button.click()
+    sent = []
+    chat_input.sendRequested.connect(sent.append)
+    chat_input.set_text("queued?")
+    qtbot.keyClick(chat_input.box, Qt.Key.Key_Return)
+    assert sent == []                                        # one answer at a time
+    chat_input.set_generating(False)
+    assert chat_input.send_button.isVisible()
+
+
+def test_restore_keeps_new_typing(chat_input):
+    chat_input.restore("lost message")
+    assert chat_input.text() == "lost message"
+    chat_input.set_text("typed meanwhile")
+    chat_input.restore("lost message")
+    assert chat_input.text() == "lost message\n\ntyped meanwhile"
+
+
+def test_box_grows_then_scrolls(chat_input):
+    one = chat_input.box.height()
+    chat_input.set_text("x\n" * 3)
+    three = chat_input.box.height()
+    chat_input.set_text("x\n" * 40)
+    many = chat_input.box.height()
+    chat_input.set_text("x\n" * (MAX_LINES + 5))
+    assert one < three < many and many == chat_input.box.height()
+
+
+def test_context_meter(chat_input):
+    chat_input.set_context(1234, 32768)
+    assert chat_input.meter.maximum() == 32768 and chat_input.meter.value() == 1234
+    assert chat_input.meter_label.text() == "1,234 / 32,768 tokens"
+    assert "almost full" not in chat_input.meter.toolTip()
+    chat_input.set_context(40000, 32768)                    # over: the bar is full, the text says so
+    assert chat_input.meter.value() == 32768 and "almost full" in chat_input.meter.toolTip()
+
+
+# ---------------------------------------------------------------- conversation list
+
+def conv(i, title, age=0.0):
+    return SimpleNamespace(id=i, title=title, created_at=time.time() - age, updated_at=time.time() - age)
+
+
+def test_age_text():
+    now = 1_000_000.0
+    assert age_text(now - 5, now) == "just now"
+    assert age_text(now - 300, now) == "5 min ago"
+    assert age_text(now - 7200, now) == "2 h ago"
+    assert age_text(now - 86400 * 1.5, now) == "yesterday"
+    assert age_text(now - 86400 * 3, now) == "3 days ago"
+    assert age_text(now - 86400 * 30, now).count("-") == 2
+
+
+def test_list_selection_rename_and_empty_state(qtbot):
+    lst = ConversationList()
+    qtbot.addWidget(lst)
+    lst.show()
+    assert lst.empty_label.isVisible() and lst.empty_label.text() == "No chats yet"
+    selected = []
+    lst.selected.connect(selected.append)
+    lst.set_conversations([conv(3, "c"), conv(2, "b", 100), conv(1, "a", 1e6)], current_id=2)
+    assert selected == []                                   # filling the list selects silently
+    assert lst.ids() == [3, 2, 1] and lst.current_id() == 2 and not lst.empty_label.isVisible()
+    lst.list.setCurrentRow(0)
+    assert selected == [3]
+    renamed = []
+    lst.renameRequested.connect(lambda i, t: renamed.append((i, t)))
+    lst.list.item(2).setText("  new a  ")
+    assert renamed == [(1, "new a")]
+    lst.list.item(2).setText("   ")                          # an empty title is refused
+    assert lst.list.item(2).text() == "new a" and renamed == [(1, "new a")]
+    lst.search.setText("zzz")
+    lst.set_conversations([], None)
+    assert lst.empty_label.text() == "No chats match"
+
+
+def test_search_is_debounced(qtbot):
+    lst = ConversationList()
+    qtbot.addWidget(lst)
+    got = []
+    lst.searchChanged.connect(got.append)
+    for ch in "hello":
+        qtbot.keyClicks(lst.search, ch)
+    qtbot.waitUntil(lambda: got == ["hello"], timeout=2000)
+
+
+def test_delete_key_and_f2(qtbot):
+    lst = ConversationList()
+    qtbot.addWidget(lst)
+    lst.show()
+    lst.set_conversations([conv(5, "x")], current_id=5)
+    deleted = []
+    lst.deleteRequested.connect(deleted.append)
+    lst.list.setFocus()
+    qtbot.keyClick(lst.list, Qt.Key.Key_Delete)
+    assert deleted == [5]
+    qtbot.keyClick(lst.list, Qt.Key.Key_F2)                  # F2 opens the inline title editor
+    assert lst.list.state() == lst.list.State.EditingState
+
+
+# ---------------------------------------------------------------- timing panel
+
+@pytest.fixture
+def panel(qtbot):
+    p = TimingPanel(LIGHT)
+    qtbot.addWidget(p)
+    p.show()
+    return p
+
+
+KERNELS = [
+    {"name": "gemv_qkvz", "launches_per_token": 18, "us_per_token": 60.0, "share": 0.25, "gb_s": 3000.0},
+    {"name": "lm_head_sample", "launches_per_token": 1, "us_per_token": 120.0, "share": 0.5, "gb_s": 4100.0},
+    {"name": "rms_norm", "launches_per_token": 49, "us_per_token": 60.0, "share": 0.25, "gb_s": None},
+]
+
+
+def test_timing_panel_plots_tok_s_and_summary(panel):
+    panel.begin_generation()
+    for n, tok_s in ((5, 100.0), (10, 120.0), (15, 0.0), (20, 130.0)):
+        panel.add_stats({"new_tokens": n, "decode_tok_s": tok_s, "ttft_ms": 12.0,
+                         "context_tokens": 40 + n, "max_context": 4096, "kernels": None})
+    assert panel.xs == [5.0, 10.0, 20.0] and panel.ys == [100.0, 120.0, 130.0]   # no rate yet: no point
+    xs, ys = panel.curve.getData()
+    assert list(xs) == panel.xs and list(ys) == panel.ys
+    assert "130.0" in panel.summary.text() and "60 / 4,096" in panel.summary.text()
+    panel.begin_generation()
+    assert panel.xs == [] and len(panel.curve.getData()[0] or []) == 0
+
+
+def test_timing_panel_kernel_table_sorted_with_roofline(panel):
+    panel.set_capabilities({"triton": True})
+    assert not panel.note.isVisible() and panel.table.isVisible()
+    panel.set_timings({"kernels": None, "roofline": {"gb_s": 4000.0}, "memory": {}})
+    panel.add_stats({"new_tokens": 3, "decode_tok_s": 900.0, "kernels": KERNELS})
+    t = panel.table
+    assert t.rowCount() == 3
+    assert t.item(0, 0).text() == "lm_head_sample"          # most time first
+    assert [t.item(0, j).text() for j in range(1, 6)] == ["1", "120.0", "50.0%", "4,100", "102%"]
+    assert t.item(2, 4).text() == "\u2013" and t.item(2, 5).text() == "\u2013"   # unknown bandwidth
+    assert panel.bar_item is not None
+    assert list(panel.bar_item.opts["width"]) == [120.0, 60.0, 60.0]
+
+
+def test_timing_panel_reference_note_and_memory(panel):
+    panel.set_capabilities({"triton": False})
+    assert panel.note.isVisible() and "Triton" in panel.note.text()
+    assert not panel.table.isVisible() and not panel.bars.isVisible()
+    gib = 1024 ** 3
+    panel.set_timings({"kernels": None, "roofline": None,
+                       "memory": {"allocated_bytes": 2 * gib, "reserved_bytes": 3 * gib, "total_bytes": 141 * gib}})
+    assert panel.memory.text() == "GPU memory: 2.00 GiB allocated, 3.00 GiB reserved of 141.0 GiB"
+    panel.set_timings({"kernels": None, "roofline": None, "memory": {}})
+    assert panel.memory.text() == ""
+
+
+def test_timing_panel_theme_and_many_points(panel):
+    panel.set_colors(DARK)
+    assert panel.colors is DARK
+    panel.begin_generation()
+    for n in range(1, 5000):
+        panel.add_stats({"new_tokens": n, "decode_tok_s": 100.0 + n % 7})
+    assert len(panel.xs) <= 4000 and panel.xs == sorted(panel.xs)

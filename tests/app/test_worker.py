@@ -1,0 +1,214 @@
+"""The engine worker: its slots against a real tiny session, and the thread it runs on."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tritonchat.app.worker import EngineClient, EngineWorker, GenerateRequest, error_kind
+from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.errors import BackendUnavailableError, ContextFullError
+
+
+class Recorder:
+    """Collects every signal of a worker (connected directly: the tests call slots in-thread)."""
+
+    NAMES = ("loadProgress", "loaded", "loadFailed", "fellBack", "textDelta", "statsUpdate", "finished",
+             "failed", "configured", "configureFailed", "timings", "tokenCount", "shutDown")
+
+    def __init__(self, worker):
+        self.events: list[tuple] = []
+        for name in self.NAMES:
+            getattr(worker, name).connect(lambda *a, n=name: self.events.append((n, *a)))
+
+    def of(self, name):
+        return [e[1:] for e in self.events if e[0] == name]
+
+
+def real_loader(calls=None):
+    from tritonchat.engine.session import ChatSession
+
+    def load(model_dir, options, progress):
+        if calls is not None:
+            calls.append(options.to_dict())
+        return ChatSession.load(model_dir, options, progress=progress)
+    return load
+
+
+@pytest.fixture
+def worker(tiny_model_dir):
+    w = EngineWorker(real_loader())
+    rec = Recorder(w)
+    w.load(str(tiny_model_dir), {"max_context": 1024, "split_k": False, "graph": True})
+    yield w, rec
+    w.shutdown()
+
+
+def request(text="hi", n=8, thinking=False, seed=5):
+    return GenerateRequest(1, [{"role": "user", "content": text}], SamplingParams(seed=seed), n, thinking)
+
+
+def test_load_reports_progress_and_info(worker):
+    w, rec = worker
+    info = rec.of("loaded")[0][0]
+    assert info["options"]["backend"] == "reference" and info["options"]["max_context"] == 1024
+    assert info["options"]["split_k"] is False
+    assert info["capabilities"]["triton"] is False and info["capabilities"]["reason"]
+    assert set(info["generation_defaults"]) >= {"temperature", "top_k", "top_p"}
+    stages = [s for s, _ in rec.of("loadProgress")]
+    assert "weights" in stages and rec.of("loadProgress")[-1][1] == 1.0
+
+
+def test_generate_streams_then_finishes(worker):
+    w, rec = worker
+    w.generate(request(n=12))
+    texts = rec.of("textDelta")
+    (rid, reply), = rec.of("finished")
+    assert rid == 1 and texts and all(t[0] == 1 for t in texts)
+    assert "".join(t[2] for t in texts) == reply["answer"]
+    assert reply["stats"]["new_tokens"] <= 12 and reply["engine"]["backend"] == "reference"
+    assert rec.of("statsUpdate")[-1][1]["max_context"] == 1024
+
+
+def test_stop_before_it_starts_answers_stopped(worker):
+    w, rec = worker
+    req = request(n=50)
+    req.stop_event.set()
+    w.generate(req)
+    (rid, reply), = rec.of("finished")
+    assert reply["stats"]["stop_reason"] == "stopped" and reply["answer"] == ""
+
+
+def test_stop_during_generation(worker):
+    w, rec = worker
+    req = request(n=4000)
+    w.textDelta.connect(lambda *a: req.stop_event.set())
+    w.generate(req)
+    (rid, reply), = rec.of("finished")
+    assert reply["stats"]["stop_reason"] == "stopped" and reply["stats"]["new_tokens"] < 4000
+
+
+def test_context_full_is_reported_not_raised(worker):
+    w, rec = worker
+    w.generate(request(text="word " * 2000))
+    (rid, sentence, details, kind), = rec.of("failed")
+    assert kind == "ContextFullError" and "context" in sentence.lower()
+    assert rec.of("finished") == []
+
+
+def test_configure_and_timings_and_count(worker):
+    w, rec = worker
+    w.configure({"split_k": True, "graph": False, "timing": True})
+    assert rec.of("configured")[-1][0]["max_context"] == 1024
+    w.read_timings()
+    (info,), = rec.of("timings")
+    assert info["kernels"] is None and info["memory"] == {} and "roofline" in info
+    w.count_tokens(7, [{"role": "user", "content": "hello"}], False)
+    (tag, n, max_ctx), = rec.of("tokenCount")
+    assert tag == 7 and n > 0 and max_ctx == 1024
+
+
+def test_context_change_rebuilds_a_backend_that_cannot_resize(worker):
+    w, rec = worker
+    loads_before = len(rec.of("loaded"))
+    w.configure({"max_context": 512})
+    assert len(rec.of("loaded")) == loads_before + 1
+    assert w.session.options.max_context == 512
+    assert rec.of("loaded")[-1][0]["options"]["split_k"] is False     # other options kept
+
+
+def test_not_loaded_yet(qtbot):
+    w = EngineWorker(real_loader())
+    rec = Recorder(w)
+    w.generate(request())
+    assert rec.of("failed")[0][3] == "NotLoaded"
+    w.configure({"split_k": True})
+    w.read_timings()
+    w.count_tokens(1, [], False)
+    assert rec.of("configured") == [] and rec.of("timings") == [] and rec.of("tokenCount") == []
+
+
+def test_triton_unavailable_falls_back_to_the_reference(tiny_model_dir):
+    calls = []
+    inner = real_loader(calls)
+
+    def loader(model_dir, options, progress):
+        if options.backend == "triton":
+            calls.append(options.to_dict())
+            raise BackendUnavailableError("Triton cannot compile its kernels here.", details="no cc")
+        return inner(model_dir, options, progress)
+
+    w = EngineWorker(loader)
+    rec = Recorder(w)
+    w.load(str(tiny_model_dir), {"backend": "triton", "max_context": 256})
+    assert [c["backend"] for c in calls] == ["triton", "reference"]
+    assert rec.of("fellBack")[0][0].startswith("Triton cannot compile")
+    assert rec.of("loaded")[0][0]["options"]["backend"] == "reference"
+    w.shutdown()
+
+
+def test_load_failure_is_a_sentence(tmp_path):
+    w = EngineWorker(real_loader())
+    rec = Recorder(w)
+    w.load(str(tmp_path), {})
+    (sentence, details, kind), = rec.of("loadFailed")
+    assert sentence and details and w.session is None and rec.of("loaded") == []
+
+
+def test_error_kind():
+    assert error_kind(RuntimeError("CUDA out of memory. Tried to allocate")) == "oom"
+    assert error_kind(ContextFullError("x")) == "ContextFullError"
+
+
+def test_client_runs_the_engine_on_its_own_thread(qtbot, tiny_model_dir, on_gui):
+    threads = {}
+    inner = real_loader()
+
+    def loader(model_dir, options, progress):
+        threads["load"] = threading.current_thread()
+        return inner(model_dir, options, progress)
+
+    client = EngineClient(loader)
+    events = []
+    for name in ("loaded", "textDelta", "finished"):
+        on_gui(getattr(client.worker, name), lambda *a, n=name: events.append((n, *a)))
+    try:
+        client.load(str(tiny_model_dir), {"max_context": 1024})
+        qtbot.waitUntil(lambda: any(e[0] == "loaded" for e in events), timeout=60000)
+        assert threads["load"] is not threading.main_thread()
+        # a long answer is stopped from the GUI thread through the request's event
+        client.generate([{"role": "user", "content": "go"}], SamplingParams(seed=1), 100000, False)
+        qtbot.waitUntil(lambda: any(e[0] == "textDelta" for e in events), timeout=60000)
+        client.stop()
+        qtbot.waitUntil(lambda: any(e[0] == "finished" for e in events), timeout=60000)
+        reply = next(e[2] for e in events if e[0] == "finished")
+        assert reply["stats"]["stop_reason"] == "stopped" and reply["stats"]["new_tokens"] < 100000
+        # a generation still queued or running does not keep close() waiting
+        client.generate([{"role": "user", "content": "again"}], SamplingParams(seed=2), 100000, False)
+    finally:
+        assert client.close(timeout_s=30)
+    assert not client.thread.isRunning() and client.worker.session is None
+
+
+@pytest.mark.gpu
+def test_worker_on_the_triton_backend(tiny_model_dir):
+    """On a CUDA machine with PySide6: the app's engine path with Triton, timing and switches."""
+    w = EngineWorker(real_loader())
+    rec = Recorder(w)
+    w.load(str(tiny_model_dir), {"max_context": 1024, "split_k": True, "graph": True, "timing": False})
+    assert rec.of("loadFailed") == [] and rec.of("fellBack") == []
+    info = rec.of("loaded")[0][0]
+    assert info["options"]["backend"] == "triton" and info["capabilities"]["triton"] is True
+    assert {"weights"} <= {s for s, _ in rec.of("loadProgress")}
+    w.configure({"timing": True, "split_k": False, "graph": False})
+    assert rec.of("configured")[-1][0]["split_k"] is False and rec.of("configured")[-1][0]["graph"] is False
+    w.generate(request(n=24))
+    (rid, reply), = rec.of("finished")
+    assert reply["engine"]["split_k"] is False and reply["stats"]["new_tokens"] > 0
+    w.read_timings()
+    (timings,), = rec.of("timings")
+    assert timings["memory"]["total_bytes"] > 0
+    rows = timings["kernels"]
+    assert rows and all({"name", "launches_per_token", "us_per_token", "share", "gb_s"} <= set(r) for r in rows)
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 0.05
+    w.shutdown()

@@ -1,0 +1,200 @@
+"""Gated attention decode (QK norm, partial RoPE, KV write, split-KV GQA softmax, output gate)
+vs the reference, at awkward positions and split counts; cache slots >= p hold NaN so any read
+of them shows up."""
+import pytest
+import torch
+
+from tritonchat.kernels.attention_decode import (attention_decode, partials_numel,
+                                                 plan_num_splits)
+from tritonchat.kernels.reference import attention_decode_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+THETA = 1e4
+BLOCK_N = 16
+# bf16 only on the GPU (the interpreter truncates to bf16, and mis-computes bf16 tl.dot)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype):
+    # fp32: order noise and 1-ulp differences of inv_freq. half: one-ulp rounding flips at the
+    # norm / RoPE / output roundings and the softmax weights rounded for the P V product.
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=4e-3, atol=4e-3),
+            torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}[dtype]
+
+
+def _setup(H, Hkv, hd, max_ctx, pos, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    qn = (torch.randn(hd, generator=g) * 0.2).to(DEVICE, dtype)
+    kn = (torch.randn(hd, generator=g) * 0.2).to(DEVICE, dtype)
+    k_cache = torch.full((Hkv, max_ctx, hd), float("nan"))
+    v_cache = torch.full((Hkv, max_ctx, hd), float("nan"))
+    k_cache[:, :pos] = torch.randn(Hkv, pos, hd, generator=g) * 2
+    v_cache[:, :pos] = torch.randn(Hkv, pos, hd, generator=g)
+    return qn, kn, k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), g
+
+
+def _token(H, Hkv, hd, dtype, g):
+    qg = (torch.randn(H * 2 * hd, generator=g) * 2).to(DEVICE, dtype)
+    k = (torch.randn(Hkv * hd, generator=g) * 2).to(DEVICE, dtype)
+    v = torch.randn(Hkv * hd, generator=g).to(DEVICE, dtype)
+    return qg, k, v
+
+
+def _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits, dtype, block_n=BLOCK_N,
+          theta=THETA):
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=theta,
+              eps=EPS)
+    want, want_kc, want_vc = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
+    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
+    partials = torch.full((partials_numel(H, hd, splits),), float("nan"), device=DEVICE)
+    attention_decode(qg, k, v, qn, kn, kc, vc, torch.tensor([pos], device=DEVICE,
+                                                            dtype=torch.int32),
+                     out, partials, num_splits=splits, block_n=block_n, **kw)
+    return out, want, want_kc, want_vc
+
+
+def _check(kc, vc, out, want, want_kc, want_vc, pos, dtype):
+    tol = _tol(dtype)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(kc[:, pos], want_kc[:, pos], **tol)
+    assert torch.equal(vc[:, pos], want_vc[:, pos])                 # raw v, stored as is
+    # nothing else in the caches moved (NaN == NaN here)
+    for c, w in ((kc, want_kc), (vc, want_vc)):
+        other = torch.ones(c.shape[1], dtype=torch.bool, device=c.device)
+        other[pos] = False
+        torch.testing.assert_close(c[:, other], w[:, other], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("pos", [0, 1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 40, 70])
+def test_attention_positions_and_splits(pos, splits, dtype):
+    # head_dim 48 (not a power of two), rotary 16, GQA group 2; 40 and 70 span several splits
+    H, Hkv, hd, rot = 4, 2, 48, 16
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 96, pos, dtype, seed=pos)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits,
+                                        dtype)
+    _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,hd,rot", [(8, 2, 32, 32), (2, 2, 16, 8), (4, 1, 64, 64),
+                                          (6, 3, 40, 24)],
+                         ids=["group4-fullrot", "mha", "group4-mqa-hd64", "group2-hd40"])
+def test_attention_shapes(H, Hkv, hd, rot, dtype):
+    pos, splits = 37, 3
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 64, pos, dtype, seed=hd)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits,
+                                        dtype)
+    _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+
+
+def test_attention_consecutive_steps_fill_the_cache():
+    # a conversation from an empty cache: each step writes slot p and reads 0..p
+    H, Hkv, hd, rot, dtype = 4, 2, 24, 8, torch.float16
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 40, 0, dtype, seed=1)
+    for pos in range(0, 35):
+        qg, k, v = _token(H, Hkv, hd, dtype, g)
+        out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 2,
+                                            dtype)
+        _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+        kc[:, pos] = want_kc[:, pos]               # stay on the reference's trajectory
+
+
+def test_attention_long_rope_position():
+    # theta 1e7 and a position in the thousands: angles well past 2 pi
+    H, Hkv, hd, rot, dtype = 2, 1, 32, 16, torch.float32
+    pos = 3000
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, pos + 4, pos, dtype, seed=3)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 4,
+                                        dtype, block_n=64, theta=1e7)
+    # fp32 angles p * inv_freq carry ~p * 1e-7 rad of inv_freq rounding
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kc[:, pos], want_kc[:, pos], rtol=1e-3, atol=1e-3)
+
+
+def test_attention_ref_matches_prefill_reference():
+    """Independent references of the same spec: decode at p == prefill of one token at p."""
+    pre = pytest.importorskip("tritonchat.kernels.prefill_reference")
+    H, Hkv, hd, rot, dtype, pos = 4, 2, 48, 16, torch.float16, 21
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 32, pos, dtype, seed=4)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
+              eps=EPS)
+    want, want_kc, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
+    out = torch.empty(1, H * hd, device=DEVICE, dtype=dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    pre.attention_prefill_ref(qg.view(1, -1), k.view(1, -1), v.view(1, -1), qn, kn, kc2, vc2,
+                              pos, out, **kw)
+    torch.testing.assert_close(kc2[:, pos], want_kc[:, pos], rtol=0, atol=0)
+    torch.testing.assert_close(out.view(-1), want, rtol=2e-3, atol=2e-3)
+
+
+def test_attention_validates():
+    H, Hkv, hd = 4, 2, 16
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 8, 2, torch.float32, seed=0)
+    qg, k, v = _token(H, Hkv, hd, torch.float32, g)
+    pos = torch.tensor([2], device=DEVICE, dtype=torch.int32)
+    out = torch.empty(H * hd, device=DEVICE)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=8, rope_theta=THETA,
+              eps=EPS, num_splits=2)
+    with pytest.raises(ValueError):       # partials too small
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, torch.empty(10, device=DEVICE), **kw)
+    part = torch.empty(partials_numel(H, hd, 2), device=DEVICE)
+    with pytest.raises(ValueError):       # odd rotary dim
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, **{**kw, "rotary_dim": 7})
+    with pytest.raises(ValueError):       # cache of the wrong head count
+        attention_decode(qg, k, v, qn, kn, kc[:1], vc[:1], pos, out, part, **kw)
+    assert plan_num_splits(32768, 2) == 66 and plan_num_splits(40, 2) == 2
+
+
+# ------------------------------------------------------------------------------------------
+# GPU twins: Qwen3.5-0.8B attention (8 q heads, 2 kv heads, head 256, rotary 64, theta 1e7)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pos", [0, 1, 31, 32, 33, 1000, 6000])
+def test_gpu_attention_model_shape(pos):
+    H, Hkv, hd, rot, dtype = 8, 2, 256, 64, torch.bfloat16
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 8192, pos, dtype, seed=pos)
+    for splits in (plan_num_splits(8192, Hkv), 16):
+        qg, k, v = _token(H, Hkv, hd, dtype, g)
+        kc2, vc2 = kc.clone(), vc.clone()
+        out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc2, vc2, pos, H, Hkv, hd, rot,
+                                            splits, dtype, block_n=None, theta=1e7)
+        torch.testing.assert_close(out, want, **_tol(dtype))
+        torch.testing.assert_close(kc2[:, pos], want_kc[:, pos], rtol=1.6e-2, atol=1.6e-2)
+        assert torch.equal(vc2[:, pos], want_vc[:, pos])
+
+
+@pytest.mark.gpu
+def test_gpu_attention_cuda_graph_replay():
+    # captured once at one position, replayed after the device position advanced
+    H, Hkv, hd, rot, dtype = 8, 2, 256, 64, torch.bfloat16
+    max_ctx, splits = 512, plan_num_splits(512, Hkv)
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, max_ctx, 300, dtype, seed=9)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    pos = torch.tensor([5], device=DEVICE, dtype=torch.int32)
+    out = torch.empty(H * hd, device=DEVICE, dtype=dtype)
+    part = torch.empty(partials_numel(H, hd, splits), device=DEVICE)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=1e7,
+              eps=EPS, num_splits=splits)
+    attention_decode(qg, k, v, qn, kn, kc.clone(), vc.clone(), pos, out, part, **kw)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, **kw)
+    for p in (300, 150, 7):             # descending: the NaN fill keeps 0..p-1 intact
+        kc[:, p:] = float("nan")
+        vc[:, p:] = float("nan")
+        want, want_kc, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, p,
+                                                **{a: b for a, b in kw.items()
+                                                   if a != "num_splits"})
+        pos.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, **_tol(dtype))
+        torch.testing.assert_close(kc[:, p], want_kc[:, p], rtol=1.6e-2, atol=1.6e-2)

@@ -1,0 +1,359 @@
+"""LM head + argmax, and the on-device sampler: greedy exactness, the distribution of many draws
+against the reference distribution (chi-square with fixed seeds), the seed/step stream, counts."""
+import math
+
+import pytest
+import torch
+
+from tritonchat.engine.api import SamplingParams
+from tritonchat.kernels.reference import (lm_head_argmax_ref, penalized_logits_ref,
+                                          sample_from_logits_ref)
+from tritonchat.kernels.sampling import (build_counts, lm_head_argmax, lm_head_partials_numel,
+                                         params_from_sampling, params_list, sample_from_logits,
+                                         sample_plan, sample_scratch_numel, update_counts)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+V, VALID = 50, 45          # ids 45..49 play the padded embedding rows
+
+
+# ------------------------------------------------------------------------------------------
+# LM head
+# ------------------------------------------------------------------------------------------
+
+def _lm_head(h, E, valid, block_n, block_k):
+    logits = torch.full((E.shape[0],), float("nan"), device=DEVICE)
+    tok = torch.full((1,), -1, device=DEVICE, dtype=torch.int32)
+    part = torch.empty(lm_head_partials_numel(E.shape[0], block_n), device=DEVICE,
+                       dtype=torch.int64)
+    lm_head_argmax(h, E, valid, logits, tok, part, block_n=block_n, block_k=block_k,
+                   num_warps=4)
+    return logits, int(tok)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lm_head_argmax(dtype):
+    g = torch.Generator().manual_seed(0)
+    D = 40                                   # not a multiple of block_k = 16
+    h = torch.randn(D, generator=g).to(DEVICE, dtype)
+    E = torch.randn(V, D, generator=g).to(DEVICE, dtype)
+    logits, tok = _lm_head(h, E, VALID, block_n=8, block_k=16)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, VALID)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-4)
+    assert tok == want_tok == int(torch.argmax(logits[:VALID]))
+
+
+def test_lm_head_argmax_padding_and_ties():
+    g = torch.Generator().manual_seed(1)
+    D = 32
+    h = torch.randn(D, generator=g).to(DEVICE)
+    E = torch.randn(V, D, generator=g).to(DEVICE) * 0.1
+    E[VALID:] = h * 10                       # padded rows would win if they were eligible
+    E[30] = h                                # the best real row...
+    E[12] = h                                # ...tied with a lower id, in another block
+    logits, tok = _lm_head(h, E, VALID, block_n=8, block_k=16)
+    assert tok == 12
+    assert float(logits[VALID:].min()) > float(logits[:VALID].max())   # padded logits kept
+
+
+def test_lm_head_argmax_many_blocks():
+    # 1050 row blocks: the final reduce loops over more than one 1024-wide chunk
+    g = torch.Generator().manual_seed(2)
+    n, D = 2100, 16
+    h = torch.randn(D, generator=g).to(DEVICE)
+    E = torch.randn(n, D, generator=g).to(DEVICE)
+    E[2061] = h * 3                          # the winner sits in the last chunk
+    logits, tok = _lm_head(h, E, 2080, block_n=2, block_k=16)
+    assert tok == 2061 == lm_head_argmax_ref(h, E, 2080)[1]
+
+
+# ------------------------------------------------------------------------------------------
+# sampler
+# ------------------------------------------------------------------------------------------
+
+def _logits(seed, scale=1.5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, generator=g) * scale).to(DEVICE)
+
+
+def _counts(two_rows=True):
+    c = torch.zeros(2, V, dtype=torch.int32)
+    c[0, [1, 2, 5, 9, 44, 47]] = 1           # context (prompt) tokens, one of them padding
+    c[1, [2, 3, 5, 6]] = torch.tensor([1, 3, 1, 2], dtype=torch.int32)   # generated tokens
+    return (c if two_rows else c.sum(0).to(torch.int32)).contiguous().to(DEVICE)
+
+
+def _sample(logits, params, counts, n, top_k_max, seed=1234, step=0, **kw):
+    p = sample_plan(V, top_k_max, n, **kw)
+    scratch = torch.full((p["scratch_numel"],), 7, device=DEVICE, dtype=torch.int64)
+    so = torch.tensor([seed, step], device=DEVICE, dtype=torch.int64)
+    out = torch.full((n,), -1, device=DEVICE, dtype=torch.int64)
+    sample_from_logits(logits, torch.tensor(params, device=DEVICE, dtype=torch.float32),
+                       counts, so, out, scratch, valid_vocab=VALID, top_k_max=top_k_max, **kw)
+    return out.cpu(), so.cpu()
+
+
+def _assert_distribution(tokens, probs):
+    """Support and chi-square of the empirical histogram against the reference probabilities.
+    The seeds are fixed, so this is deterministic; the bound is ~6 sigma of a chi-square."""
+    n = tokens.numel()
+    emp = torch.bincount(tokens, minlength=V).double()
+    assert emp[probs == 0].sum() == 0, "drew a token the reference gives zero probability"
+    assert bool((emp[probs >= 0.01] > 0).all()), "a likely token was never drawn"
+    live = probs > 0
+    dof = int(live.sum()) - 1
+    if dof == 0:
+        return
+    expected = probs[live] * n
+    chi2 = float(((emp[live] - expected) ** 2 / expected).sum())
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, f"chi2 {chi2:.1f} for {dof} dof"
+
+
+CASES = [  # (params, top_k_max, plan overrides)
+    (params_list(1.0, 0, 1.0, 0.0, 0.5, 1.3), 16, {}),                  # Gumbel path, penalties
+    (params_list(0.7, 5, 1.0, 0.0, 0.5, 1.3), 16, {}),                  # top-k
+    (params_list(1.0, 0, 0.8, 0.0, 0.0, 1.0), 64, {}),                  # top-p, cap >= vocab
+    (params_list(1.2, 10, 1.0, 0.2, 0.0, 1.0), 16, {}),                 # top-k + min-p
+    (params_list(1.0, 10, 0.9, 0.05, 1.0, 1.1), 8, dict(block_v=8, merge_chunk=16)),  # merges
+    (params_list(1.0, 40, 1.0, 0.0, 0.0, 1.0), 16, {}),                 # top_k > cap: clamped
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sample_distribution(case):
+    params, kmax, kw = CASES[case]
+    logits, counts = _logits(case), _counts()
+    tokens, so = _sample(logits, params, counts, 3000, kmax, seed=100 + case, **kw)
+    assert int(so[1]) == 3000                          # one step per draw
+    probs = sample_from_logits_ref(logits.cpu(), params, counts.cpu(), valid_vocab=VALID,
+                                   top_k_max=kmax)
+    _assert_distribution(tokens, probs)
+
+
+def test_sample_top_p_boundary_and_tie_order():
+    # four equal logits: P = 1/4 each, exactly, so the mass ranked above rank i is exactly
+    # i/4. top_p = 0.5 keeps ranks 0 and 1 (strict <), and equal logits rank by lower id.
+    logits = torch.full((V,), -1e4, device=DEVICE)
+    logits[[7, 3, 30, 12]] = 0.0
+    none = torch.zeros(V, device=DEVICE, dtype=torch.int32)
+    params = params_list(1.0, 0, 0.5, 0.0)
+    tokens, _ = _sample(logits, params, none, 2000, 16, seed=3)
+    assert set(tokens.tolist()) == {3, 7}
+    probs = sample_from_logits_ref(logits.cpu(), params, none.cpu(), valid_vocab=VALID,
+                                   top_k_max=16)
+    assert probs[3] == probs[7] == 0.5
+    _assert_distribution(tokens, probs)
+
+
+def test_sample_one_row_counts():
+    # counts [V]: the whole history feeds both penalties
+    params = params_list(0.9, 8, 0.95, 0.0, 0.7, 1.4)
+    logits, counts = _logits(11), _counts(two_rows=False)
+    tokens, _ = _sample(logits, params, counts, 3000, 16, seed=5)
+    _assert_distribution(tokens, sample_from_logits_ref(logits.cpu(), params, counts.cpu(),
+                                                        valid_vocab=VALID, top_k_max=16))
+
+
+@pytest.mark.parametrize("params", [
+    params_list(1.0, 20, 0.9, 0.0, 0.5, 1.3, greedy=True),
+    params_list(0.0, 0, 1.0, 0.0, 2.0, 1.0),             # temperature 0 means greedy
+    params_list(-1.0, 5, 0.5, 0.3, 0.0, 2.0),
+])
+@pytest.mark.parametrize("two_rows", [True, False])
+def test_sample_greedy_is_penalized_argmax(params, two_rows):
+    for seed in range(3):
+        logits, counts = _logits(20 + seed, scale=0.5), _counts(two_rows)
+        tokens, _ = _sample(logits, params, counts, 2, 16, seed=seed)
+        want = int(torch.argmax(penalized_logits_ref(logits.cpu(), params, counts.cpu(), VALID)))
+        assert tokens.tolist() == [want, want]
+
+
+def test_sample_never_picks_padding():
+    logits = _logits(3)
+    logits[VALID:] = 100.0
+    for params in (params_list(1.0, 0, 1.0, 0.0), params_list(1.0, 3, 0.9, 0.0),
+                   params_list(greedy=True)):
+        tokens, _ = _sample(logits, params, _counts(), 200, 16)
+        assert int(tokens.max()) < VALID
+
+
+def test_sample_stream_is_reproducible_and_advances():
+    logits, counts = _logits(4, scale=0.3), _counts()
+    for params in (params_list(1.0, 0, 1.0, 0.0), params_list(1.0, 12, 0.95, 0.0)):
+        a, so_a = _sample(logits, params, counts, 64, 16, seed=9, step=10)
+        b, _ = _sample(logits, params, counts, 64, 16, seed=9, step=10)
+        c, _ = _sample(logits, params, counts, 64, 16, seed=9, step=74)
+        d, _ = _sample(logits, params, counts, 64, 16, seed=10, step=10)
+        assert torch.equal(a, b) and int(so_a[1]) == 74 and int(so_a[0]) == 9
+        assert not torch.equal(a, c) and not torch.equal(a, d)
+        # draw i of a call is the single draw at step + i
+        one, _ = _sample(logits, params, counts, 1, 16, seed=9, step=13)
+        assert int(one[0]) == int(a[3])
+
+
+def test_sample_validates():
+    logits = _logits(0)
+    out = torch.empty(1, device=DEVICE, dtype=torch.int64)
+    so = torch.zeros(2, device=DEVICE, dtype=torch.int64)
+    params = torch.tensor(params_list(), device=DEVICE)
+    scratch = torch.empty(sample_scratch_numel(V, 16), device=DEVICE, dtype=torch.int64)
+    with pytest.raises(ValueError):          # scratch too small
+        sample_from_logits(logits, params, _counts(), so, out, scratch[:3], valid_vocab=VALID,
+                           top_k_max=16)
+    with pytest.raises(ValueError):          # counts of the wrong shape
+        sample_from_logits(logits, params, _counts()[:, :10].contiguous(), so, out, scratch,
+                           valid_vocab=VALID, top_k_max=16)
+    with pytest.raises(ValueError):          # block_v below the candidate count
+        sample_plan(V, 16, block_v=8)
+
+
+# ------------------------------------------------------------------------------------------
+# the reference's semantics on hand-made cases
+# ------------------------------------------------------------------------------------------
+
+def test_reference_semantics_by_hand():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.cat([p.log(), torch.full((V - 4,), -1e4)])
+    none = torch.zeros(V, dtype=torch.int32)
+
+    def dist(**kw):
+        return sample_from_logits_ref(logits, params_list(**kw), none, valid_vocab=VALID,
+                                      top_k_max=16)[:4]
+    torch.testing.assert_close(dist(top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]).double())
+    torch.testing.assert_close(dist(top_k=3), torch.tensor([0.5, 0.3, 0.15, 0]).double() / 0.95)
+    torch.testing.assert_close(dist(min_p=0.35), torch.tensor([0.625, 0.375, 0, 0]).double())
+    torch.testing.assert_close(dist(top_p=0.01), torch.tensor([1.0, 0, 0, 0]).double())
+    # top-p over the renormalised top-k: in the top-2 (0.625, 0.375) top_p 0.6 keeps one
+    torch.testing.assert_close(dist(top_k=2, top_p=0.6), torch.tensor([1.0, 0, 0, 0]).double())
+    # repetition: positive logits divided, negative multiplied; presence: generated only
+    c = torch.zeros(2, V, dtype=torch.int32)
+    c[0, 0] = 1
+    c[1, 1] = 1
+    pen = penalized_logits_ref(torch.tensor([2.0, -2.0] + [0.0] * (V - 2)),
+                               params_list(presence_penalty=0.5, repetition_penalty=2.0), c,
+                               VALID)
+    assert pen[0] == 1.0 and pen[1] == -4.5 and pen[2] == 0.0
+    assert torch.isinf(pen[VALID:]).all()
+    # top-k keeps every logit tied with the k-th
+    tie = torch.tensor([3.0, 1.0, 1.0, 1.0] + [-1e4] * (V - 4))
+    d = sample_from_logits_ref(tie, params_list(top_k=2), none, valid_vocab=VALID, top_k_max=16)
+    assert (d[:4] > 0).all() and d[4:].sum() == 0
+
+
+def test_update_counts_and_build_counts():
+    counts = build_counts([1, 1, 4], [2], V, device=DEVICE)
+    assert counts.shape == (2, V) and int(counts[0, 1]) == 2 and int(counts[1, 2]) == 1
+    tok = torch.tensor([4], device=DEVICE, dtype=torch.int32)
+    update_counts(counts, tok)
+    update_counts(counts, tok)
+    assert int(counts[1, 4]) == 2 and int(counts[0, 4]) == 1 and int(counts.sum()) == 6
+    flat = torch.zeros(V, device=DEVICE, dtype=torch.int32)
+    update_counts(flat, torch.tensor([7], device=DEVICE, dtype=torch.int64))
+    assert int(flat[7]) == 1 and int(flat.sum()) == 1
+
+
+def test_params_from_sampling_params():
+    sp = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, presence_penalty=1.5,
+                        repetition_penalty=1.1)
+    assert params_from_sampling(sp) == pytest.approx([0.6, 20, 0.95, 0.05, 1.5, 1.1, 0.0])
+    assert params_from_sampling(SamplingParams(temperature=0.0))[6] == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# GPU twins: the real vocabulary
+# ------------------------------------------------------------------------------------------
+
+REAL_V, REAL_VALID, REAL_D = 248320, 248077, 1024
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_argmax_model_shape():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(REAL_D, generator=g).to(DEVICE, torch.bfloat16)
+    E = (torch.randn(REAL_V, REAL_D, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
+    E[REAL_VALID:] = h * 0.5                          # padded rows with the largest logits
+    logits = torch.empty(REAL_V, device=DEVICE)
+    tok = torch.empty(1, device=DEVICE, dtype=torch.int32)
+    part = torch.empty(REAL_V, device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, REAL_VALID, logits, tok, part)
+    want_logits, _ = lm_head_argmax_ref(h, E, REAL_VALID)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3)
+    assert int(tok) == int(torch.argmax(logits[:REAL_VALID]))
+
+
+def _real_inputs(kmax, n):
+    g = torch.Generator().manual_seed(kmax)
+    logits = (torch.randn(REAL_V, generator=g) * 4).to(DEVICE)
+    counts = torch.zeros(2, REAL_V, dtype=torch.int32)
+    counts[0, torch.randint(0, REAL_VALID, (500,), generator=g)] = 1
+    counts[1, torch.topk(logits.cpu(), 5).indices] = 1       # penalise some of the best
+    scratch = torch.empty(sample_scratch_numel(REAL_V, kmax, n), device=DEVICE,
+                          dtype=torch.int64)
+    return logits, counts.to(DEVICE), scratch
+
+
+def _expected_tv(probs, n):
+    """E[total variation] of an n-draw histogram: per token E|X/n - p| is about
+    sqrt(2p(1-p)/(pi n)) (normal approximation), never more than 2p."""
+    p = probs[probs > 0]
+    return 0.5 * float(torch.minimum((2 * p * (1 - p) / (math.pi * n)).sqrt(), 2 * p).sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kmax", [64, 256, 1024])
+def test_gpu_sampler_model_vocab(kmax):
+    n = 20000
+    logits, counts, scratch = _real_inputs(kmax, n)
+    so = torch.tensor([77, 0], device=DEVICE, dtype=torch.int64)
+    out = torch.empty(n, device=DEVICE, dtype=torch.int64)
+    for ps in (params_list(1.0, 20, 0.95, 0.0, 1.5, 1.1),       # Qwen's recommended settings
+               params_list(0.8, 0, 0.9, 0.02),                  # nucleus within the cap
+               params_list(0.5, 0, 1.0, 0.0, 0.0, 1.0)):        # exact Gumbel over the vocab
+        params = torch.tensor(ps, device=DEVICE)
+        sample_from_logits(logits, params, counts, so, out, scratch, valid_vocab=REAL_VALID,
+                           top_k_max=kmax)
+        probs = sample_from_logits_ref(logits.cpu(), ps, counts.cpu(), valid_vocab=REAL_VALID,
+                                       top_k_max=kmax)
+        emp = torch.bincount(out.cpu(), minlength=REAL_V).double() / n
+        assert emp[probs == 0].sum() == 0
+        tv = 0.5 * float((emp - probs).abs().sum())
+        assert tv < 2 * _expected_tv(probs, n) + 0.01, (ps, tv, _expected_tv(probs, n))
+    greedy = torch.tensor(params_list(1.0, 20, 0.95, 0.0, 1.5, 1.1, greedy=True), device=DEVICE)
+    sample_from_logits(logits, greedy, counts, so, out[:1], scratch, valid_vocab=REAL_VALID,
+                       top_k_max=kmax)
+    want = int(torch.argmax(penalized_logits_ref(logits.cpu(), params_list(1.0, 20, 0.95, 0.0,
+                                                                           1.5, 1.1),
+                                                 counts.cpu(), REAL_VALID)))
+    assert int(out[0]) == want
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_cuda_graph_reads_new_params():
+    logits, counts, scratch = _real_inputs(256, 1)
+    params = torch.tensor(params_list(greedy=True), device=DEVICE)
+    so = torch.tensor([5, 0], device=DEVICE, dtype=torch.int64)
+    tok = torch.zeros(1, device=DEVICE, dtype=torch.int32)
+
+    def step():
+        sample_from_logits(logits, params, counts, so, tok, scratch, valid_vocab=REAL_VALID,
+                           top_k_max=256)
+        update_counts(counts, tok)
+
+    step()                                               # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    before = counts.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    greedy_tok = int(tok)
+    want = int(torch.argmax(penalized_logits_ref(logits.cpu(), params_list(greedy=True),
+                                                 before.cpu(), REAL_VALID)))
+    assert greedy_tok == want and int(counts[1, want]) == int(before[1, want]) + 1
+    params.copy_(torch.tensor(params_list(3.0, 0, 1.0, 0.0), device=DEVICE))   # no re-capture
+    seen = set()
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.add(int(tok))
+    assert len(seen) > 1 and max(seen) < REAL_VALID
+    assert int(so[1]) == 22
