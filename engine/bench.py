@@ -114,6 +114,66 @@ def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -
             "bytes_per_token": nbytes}
 
 
+_SYNTH_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def synthetic_tokenizer_dir(path, vocab: int):
+    """A word-level tokenizer covering every id of the vocabulary (random weights produce any id),
+    with ChatML specials, so the app's ChatSession (detokenizer, thinking split, text batching,
+    stats) can be measured on random weights."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words = {f"w{i}": i for i in range(vocab - len(specials) - 1)}
+    words["[UNK]"] = len(words)
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": _SYNTH_TEMPLATE}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    return path
+
+
+def session_run(be, cfg, prompt_len: int, new_tokens: int) -> dict:
+    """Decode speed through the app's Qt-free ChatSession with text batching (30 ms) and stats
+    (10 Hz) callbacks on, as the desktop app runs it."""
+    import tempfile
+    import threading
+
+    from .session import ChatSession
+    from .tokenizer import ChatTokenizer
+    with tempfile.TemporaryDirectory() as d:
+        tok = ChatTokenizer.from_dir(synthetic_tokenizer_dir(d, cfg.vocab_size))
+    session = ChatSession(be, tok)
+    words = " ".join(f"w{i}" for i in _random_prompt(prompt_len, cfg.vocab_size - 8))
+    msgs = [{"role": "user", "content": words}]
+    counters = {"text": 0, "stats": 0}
+
+    def on_text(th, an):
+        counters["text"] += 1
+
+    def on_stats(d):
+        counters["stats"] += 1
+
+    p = SamplingParams(greedy=True)
+    session.generate(msgs, p, max_new_tokens=8, enable_thinking=False, ignore_eos=True)
+    session.reset()
+    reply = session.generate(msgs, p, max_new_tokens=new_tokens, enable_thinking=False, ignore_eos=True,
+                             stop_event=threading.Event(), on_text=on_text, on_stats=on_stats)
+    s = reply.result.stats
+    return {"decode_tok_s": s.decode_tok_s, "ttft_ms": s.ttft_ms, "new_tokens": s.new_tokens,
+            "text_batches": counters["text"], "stats_updates": counters["stats"]}
+
+
 def transformers_run(cfg, prompt: list[int], new_tokens: int, prefill_lens: list[int]) -> Optional[dict]:
     """Hugging Face transformers eager on random weights of the same shape (when importable)."""
     try:
@@ -241,6 +301,9 @@ def run_bench(args) -> int:
                             "reserved_gib": mem.get("reserved_bytes", 0) / 2**30,
                             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     if args.compare:
+        be.configure(split_k=configs[0][0], graph=configs[0][1])
+        report["session"] = session_run(be, cfg, prompt_len, new_tokens)
+        report["session"]["vs_bench"] = report["session"]["decode_tok_s"] / report["decode_tok_s"]
         if be.name == "triton":
             pos = context - new_tokens - 64
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)

@@ -10,50 +10,78 @@ model dtype, then F.silu). The output is allocated by the caller.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from .gemm import tuned_config
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CONV_KEYS = ("BLOCK_T", "BLOCK_C", "ROW_TILES", "num_warps")
+
+
+@triton.jit
+def _conv_rows(x_ptr, w, state_ptr, out_ptr, t0, T, offs_c, mask_c, stride_x, stride_o,
+               KC: tl.constexpr, KC_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_C: tl.constexpr, FROM_STATE: tl.constexpr):
+    """Output rows t0 .. t0+BLOCK_T-1 of one channel block. Tap j reads sequence row
+    s = t - (Kc-1) + j; only the first row block (FROM_STATE) can reach back into the state."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    cols = offs_c[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(KC):
+        s = offs_t - (KC - 1) + j
+        m = mask_t[:, None] & mask_c[None, :]
+        # the shifted reloads of the same rows hit L1: HBM sees each input row about once
+        if FROM_STATE:
+            xv = tl.load(x_ptr + s.to(tl.int64)[:, None] * stride_x + cols,
+                         mask=m & (s >= 0)[:, None], other=0.0).to(tl.float32)
+            xv += tl.load(state_ptr + offs_c.to(tl.int64)[None, :] * (KC - 1) + (s + KC - 1)[:, None],
+                          mask=m & (s < 0)[:, None], other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + s.to(tl.int64)[:, None] * stride_x + cols, mask=m,
+                         other=0.0).to(tl.float32)
+        # tap weights: [BLOCK_C, KC_PAD] tile, one column picked per tap (no strided reloads)
+        wj = tl.sum(tl.where(tl.arange(0, KC_PAD)[None, :] == j, w, 0.0), axis=1)
+        acc += xv * wj[None, :]
+    dtype = out_ptr.dtype.element_ty
+    conv = acc.to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + cols,
+             (conv * tl.sigmoid(conv)).to(dtype), mask=mask_t[:, None] & mask_c[None, :])
 
 
 @triton.jit
 def _causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, out_ptr, T, C, stride_x, stride_o,
-                          KC: tl.constexpr, KM1_PAD: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                          KC: tl.constexpr, KC_PAD: tl.constexpr, KM1_PAD: tl.constexpr,
+                          BLOCK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr, ROW_TILES: tl.constexpr):
+    # One program: BLOCK_C channels (contiguous, 16-byte vector loads) x ROW_TILES * BLOCK_T
+    # tokens. Only rows t < Kc-1 read the old state and they all lie in tile 0 of program 0,
+    # so every other tile takes the state-free path.
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_t = offs_t < T
     mask_c = offs_c < C
-    rows_c = offs_c.to(tl.int64)
-
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for j in tl.static_range(KC):
-        # tap j reads sequence row s = t - (Kc-1) + j: x when s >= 0, else the old state
-        s = offs_t - (KC - 1) + j
-        in_x = s >= 0
-        m = mask_t[:, None] & mask_c[None, :]
-        xv = tl.load(x_ptr + s.to(tl.int64)[:, None] * stride_x + offs_c[None, :],
-                     mask=m & in_x[:, None], other=0.0)
-        sv = tl.load(state_ptr + rows_c[None, :] * (KC - 1) + (s + KC - 1)[:, None],
-                     mask=m & (~in_x)[:, None], other=0.0)
-        wj = tl.load(w_ptr + rows_c * KC + j, mask=mask_c, other=0.0)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj.to(tl.float32)[None, :]
-
-    dtype = out_ptr.dtype.element_ty
-    conv = acc.to(dtype).to(tl.float32)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_c[None, :],
-             (conv * tl.sigmoid(conv)).to(dtype), mask=mask_t[:, None] & mask_c[None, :])
-
-    # Only rows t < Kc-1 read the old state and they all live in row-block 0, so that program
-    # alone rewrites the state, after its own reads (the barrier orders them within the CTA).
+    first_row = pid_t * (ROW_TILES * BLOCK_T)
+    offs_j = tl.arange(0, KC_PAD)
+    w = tl.load(w_ptr + offs_c[:, None] * KC + offs_j[None, :],
+                mask=mask_c[:, None] & (offs_j < KC)[None, :], other=0.0).to(tl.float32)
     if pid_t == 0:
+        _conv_rows(x_ptr, w, state_ptr, out_ptr, 0, T, offs_c, mask_c, stride_x, stride_o,
+                   KC, KC_PAD, BLOCK_T, BLOCK_C, True)
+        for r in range(1, ROW_TILES):
+            _conv_rows(x_ptr, w, state_ptr, out_ptr, r * BLOCK_T, T, offs_c, mask_c,
+                       stride_x, stride_o, KC, KC_PAD, BLOCK_T, BLOCK_C, False)
+        # This program alone rewrites the state of its channels, after its own state reads
+        # (the barrier orders them within the CTA).
         offs_i = tl.arange(0, KM1_PAD)
         s_new = T - (KC - 1) + offs_i                     # sequence row that becomes state[:, i]
         keep = mask_c[:, None] & (offs_i < KC - 1)[None, :]
         from_x = (s_new >= 0)[None, :]
+        rows_c = offs_c.to(tl.int64)
         nx = tl.load(x_ptr + s_new.to(tl.int64)[None, :] * stride_x + offs_c[:, None],
                      mask=keep & from_x, other=0.0)
         ns = tl.load(state_ptr + rows_c[:, None] * (KC - 1) + (s_new + KC - 1)[None, :],
@@ -62,14 +90,33 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, out_ptr, T, C, stride_x, stri
         tl.debug_barrier()
         tl.store(state_ptr + rows_c[:, None] * (KC - 1) + offs_i[None, :],
                  new_state.to(state_ptr.dtype.element_ty), mask=keep)
+    else:
+        for r in range(ROW_TILES):
+            _conv_rows(x_ptr, w, state_ptr, out_ptr, first_row + r * BLOCK_T, T, offs_c,
+                       mask_c, stride_x, stride_o, KC, KC_PAD, BLOCK_T, BLOCK_C, False)
 
+
+def _conv_default_config(T: int, C: int, kc: int) -> dict:
+    """Built-in tiles: 256 channels x 32 rows per tile keeps the fp32 accumulator at 32
+    registers a thread (8 warps); long prompts give each program 4 row tiles so the
+    per-program set-up (weights, state branch) is paid once per 128 tokens."""
+    block_c = min(256, triton.next_power_of_2(C))
+    block_t = min(32, triton.next_power_of_2(T))
+    rows = 4 if T >= 1024 else 1
+    return dict(BLOCK_T=block_t, BLOCK_C=block_c, ROW_TILES=rows,
+                num_warps=8 if block_c * block_t >= 8192 else 4)
+
+
+def conv_kernel_name(C: int, kc: int) -> str:
+    return f"conv1d_C{C}_K{kc}"
 
 def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
     """out = silu(causal depthwise conv of x continuing from conv_state); updates conv_state.
 
     x [T, C] (rows may be strided), w [C, Kc] contiguous, conv_state [C, Kc-1] contiguous in
     x's dtype, out [T, C] (rows may be strided, must not overlap x). Returns out.
+    `config` (CONV_KEYS) overrides the tile table: the tuner sweeps through it.
     """
     if x.dim() != 2 or w.dim() != 2 or conv_state.dim() != 2 or out.dim() != 2:
         raise ValueError("causal_conv1d expects x [T, C], w [C, Kc], conv_state [C, Kc-1], out [T, C]")
@@ -94,13 +141,16 @@ def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
         raise ValueError("out must not alias x (other row blocks still read x)")
     if T == 0:
         return out
-    # 16 x 128 tiles keep the 2 x Kc shifted loads in registers without spilling (sm_90: 144 regs)
-    block_c = min(128, triton.next_power_of_2(C))
-    # row-block 0 must cover every row that reads the old state (t < Kc-1)
-    block_t = max(triton.next_power_of_2(kc - 1), min(16, triton.next_power_of_2(T)))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
+    if config is not None:
+        cfg = dict(config)
+    else:
+        cfg = tuned_config(conv_kernel_name(C, kc), T, CONV_KEYS) or _conv_default_config(T, C, kc)
+    # tile 0 must cover every row that reads the old state (t < Kc-1)
+    block_t = max(cfg["BLOCK_T"], triton.next_power_of_2(kc - 1))
+    rows_per_prog = block_t * cfg["ROW_TILES"]
+    grid = (triton.cdiv(T, rows_per_prog), triton.cdiv(C, cfg["BLOCK_C"]))
     _causal_conv1d_kernel[grid](
         x, w, conv_state, out, T, C, x.stride(0), out.stride(0),
-        KC=kc, KM1_PAD=triton.next_power_of_2(kc - 1), BLOCK_T=block_t, BLOCK_C=block_c,
-        num_warps=4)
+        KC=kc, KC_PAD=triton.next_power_of_2(kc), KM1_PAD=triton.next_power_of_2(kc - 1), BLOCK_T=block_t,
+        BLOCK_C=cfg["BLOCK_C"], ROW_TILES=cfg["ROW_TILES"], num_warps=cfg["num_warps"])
     return out

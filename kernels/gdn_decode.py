@@ -180,3 +180,123 @@ def gdn_decode(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor,
         KW=kw, GROUP=hv // hk, BLOCK_K=block_k, BLOCK_V=block_v,
         L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# v2: the recurrence alone, split over value tiles (the conv lives in the in_proj epilogue,
+# the gated norm in the out_proj prologue)
+# ------------------------------------------------------------------------------------------
+#
+#   proj = [x = conv output q|k|v (conv_dim) | z (Hv*dv) | b (Hv) | a (Hv)]
+#   program (h, t): value head h, value columns t*BLOCK_V .. +BLOCK_V, key head h // (Hv/Hk)
+#     q = l2norm(q) * dk^-0.5;  k = l2norm(k)                      fp32 (every tile recomputes
+#                                                                   its head's norms: 2 x dk)
+#     beta = round(sigmoid(b));  g = -exp(A_log) softplus(a + dt_bias)
+#     S = exp(g) S[:, tile];  r = S^T k;  S += k (beta (v - r))^T;  o = S^T q
+#   The delta rule is column-separable: the columns of S never mix, so tiles are independent
+#   and the grid grows from Hk programs to Hv * dv / BLOCK_V (16 -> 128 at BLOCK_V = 16).
+
+@triton.jit
+def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale,
+                     HK, HV, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                     L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr, PDL: tl.constexpr):
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    hk = h // GROUP
+    act = proj_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = offs_k < DK
+    mv = offs_v < DV
+    key_dim = HK * DK
+    conv_dim = 2 * key_dim + HV * DV
+    ba_off = conv_dim + HV * DV
+
+    # the recurrent state is this kernel's own (last written by the previous token's launch),
+    # so its tile is loaded before waiting for the producer of proj
+    s_ptrs = (state_ptr + h.to(tl.int64) * DK * DV + offs_k.to(tl.int64)[:, None] * DV
+              + offs_v[None, :])
+    s_mask = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(proj_ptr + key_dim + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
+    v = tl.load(proj_ptr + 2 * key_dim + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    b = tl.load(proj_ptr + ba_off + h).to(tl.float32)
+    a = tl.load(proj_ptr + ba_off + HV + h).to(tl.float32)
+    beta = tl.sigmoid(b).to(act).to(tl.float32)
+    a_dt = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+    g_log = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a_dt, SP_THRESHOLD)
+
+    S = S * tl.exp(g_log)
+    pred = tl.sum(S * k[:, None], axis=0)                 # S^T k
+    delta = beta * (v - pred)
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)                    # read with the updated state
+    tl.store(s_ptrs, S, mask=s_mask)
+    tl.store(o_ptr + h * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
+    """Default BLOCK_V: about target_programs programs, tiles of 16..next_pow2(dv) columns
+    (decode_tuning.json overrides it)."""
+    full = triton.next_power_of_2(int(head_v_dim))
+    want = triton.next_power_of_2(max(1, triton.cdiv(target_programs, int(num_v_heads))))
+    return max(min(16, full), min(full, full // want if want <= full else 1))
+
+
+def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int]:
+    from .gemv import decode_table
+    e = decode_table().get(f"gdn_core:{hv}x{dk}x{dv}")
+    bv = triton.next_power_of_2(dv)
+    if e is not None:
+        try:
+            return min(int(e["block_v"]), bv), int(e["num_warps"])
+        except (KeyError, TypeError, ValueError):
+            pass
+    block_v = core_block_v(dv, hv)
+    return block_v, max(1, min(8, triton.next_power_of_2(dk) * block_v // 512))
+
+
+def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    state: torch.Tensor, o_out: torch.Tensor, *, num_k_heads: int,
+                    num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                    block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """The delta-rule step of one GDN token on the fused in_proj output.
+
+    proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv_fused with the
+    conv epilogue writes), A_log, dt_bias [Hv], state float32 [Hv, dk, dv] (updated in place),
+    o_out [Hv*dv] (the core output, rounded to o_out.dtype; the gated norm is the out_proj
+    prologue's). Grid (Hv, cdiv(dv, block_v)). Returns o_out."""
+    hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
+    _expect(hk >= 1 and hv >= hk and hv % hk == 0,
+            f"num_v_heads ({hv}) must be a multiple of num_k_heads ({hk})")
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    _expect(proj.numel() == n_proj and proj.is_contiguous() and proj.dtype in _DTYPES,
+            f"proj must be a contiguous float vector of {n_proj}, got {tuple(proj.shape)}")
+    _expect(tuple(state.shape) == (hv, dk, dv) and state.is_contiguous()
+            and state.dtype == torch.float32,
+            f"state must be a contiguous float32 [{hv}, {dk}, {dv}] tensor")
+    _expect(A_log.numel() == hv and dt_bias.numel() == hv, f"A_log and dt_bias must hold {hv}")
+    _expect(o_out.numel() == hv * dv and o_out.is_contiguous() and o_out.dtype in _DTYPES,
+            f"o_out must be a contiguous float vector of {hv * dv}")
+    for t, name in ((proj, "proj"), (A_log, "A_log"), (dt_bias, "dt_bias"), (o_out, "o_out")):
+        _expect(t.device == state.device, f"{name} is not on the state's device")
+    bv_plan, nw_plan = _core_plan(hv, dk, dv)
+    block_v = int(block_v or bv_plan)
+    num_warps = int(num_warps or nw_plan)
+    _expect(block_v >= 1 and block_v & (block_v - 1) == 0, "block_v must be a power of 2")
+    from .gemv import _launch_kw, pdl_active
+    _gdn_core_kernel[(hv, triton.cdiv(dv, block_v))](
+        proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, hk, hv, DK=dk, DV=dv,
+        GROUP=hv // hk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_active(state.device),
+        num_warps=num_warps, **_launch_kw(state.device))
+    return o_out

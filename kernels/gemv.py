@@ -285,3 +285,440 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
         partials, out, res, n_out, n_rows, SPLIT_K=split_k, HAS_RESIDUAL=has_res,
         SILU_MUL=bool(silu_mul), BLOCK=block_r, num_warps=4)
     return out
+
+
+# ==========================================================================================
+# v2: fused decode GEMVs (norm prologue, conv / SiLU*mul / residual epilogue, in-kernel
+# split-K reduce, optional programmatic dependent launch)
+# ==========================================================================================
+#
+#   prologue  PRO_NONE     x = v
+#             PRO_RMS      x = round(v * rsqrt(mean(v^2) + eps) * (1 + w))          (zero-centred)
+#             PRO_GATED    per value head j of width DV:
+#                          n = round(o_j * rsqrt(mean(o_j^2) + eps));  x_j = round(w * n * silu(z_j))
+#   epilogue  EPI_PLAIN    out = y
+#             EPI_RESIDUAL out = residual + y                    (out may alias residual: h += W x)
+#             EPI_SILU_MUL out = silu(y_gate) * y_up              (W = [gate; up])
+#             EPI_CONV     rows c < conv_dim: m = round(y); s = [state[c] | m];
+#                          out[c] = round(silu(round(sum_j w[c, j] s[j])));  state[c] <- s[1:]
+#                          other rows: out = y
+#
+# Every program recomputes the prologue from the whole input vector (2-8 KB, L2-resident)
+# instead of reading a normalised copy: that is what removes the separate norm launches. `round`
+# is the rounding to the activation dtype (the dtype of the prologue's input vector), placed
+# exactly where the unfused sequence (norm kernel -> bf16 buffer -> GEMV) rounds.
+#
+# Split-K without a second launch: each (row block, split) program writes its fp32 partial sums,
+# then takes a ticket from a per-row-block counter; the program that draws the last ticket sums
+# the SPLIT_K partials in split order (deterministic, whatever order the programs finish in),
+# runs the epilogue and resets the counter to 0 for the next launch (so a CUDA graph replays it).
+
+PRO_NONE, PRO_RMS, PRO_GATED = 0, 1, 2
+EPI_PLAIN, EPI_RESIDUAL, EPI_SILU_MUL, EPI_CONV = 0, 1, 2, 3
+_EPILOGUES = {"plain": EPI_PLAIN, "residual": EPI_RESIDUAL, "silu_mul": EPI_SILU_MUL,
+              "conv": EPI_CONV}
+
+# Programmatic dependent launch (sm_90+): a PDL-launched GEMV issues its first weight loads, then
+# waits for the previous kernel (gdc_wait) before reading the activation vector. Off until the
+# lead measures it; the engine sets gemv.USE_PDL = True. Inactive under the interpreter and on
+# GPUs older than sm_90 whatever the flag says (see pdl_active()).
+USE_PDL = False
+
+
+def pdl_active(device: torch.device) -> bool:
+    """Whether kernels launched now on `device` use programmatic dependent launch."""
+    if not USE_PDL or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_kw(device: torch.device) -> dict:
+    """Extra launch keywords: launch_pdl only when PDL is active (older Triton lacks it)."""
+    return {"launch_pdl": True} if pdl_active(device) else {}
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    # wait for the producer grid (and its memory) before touching activations
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        # let the next PDL-launched kernel start its own weight prefetch as SMs free up
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _rms_inv(v_ptr, n, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(v[:n]^2) + eps) in fp32."""
+    offs = tl.arange(0, BLOCK)
+    ss = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i0 in range(0, n, BLOCK):
+        v = tl.load(v_ptr + i0 + offs, mask=i0 + offs < n, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        ss += v * v
+    return tl.rsqrt(tl.sum(ss, axis=0) / n + eps)
+
+
+@triton.jit
+def _w_tile(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """W[rows, ks] in fp32, streamed once; masks only where the shape is ragged."""
+    if MASK_K:
+        if MASK_N:
+            m = row_mask[:, None] & k_ok[None, :]
+        else:
+            m = k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+    else:
+        if MASK_N:
+            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO: tl.constexpr, MASK_K: tl.constexpr):
+    """The GEMV input at ks: v, or round(v * inv_rms * (1 + w)) for PRO_RMS (masked lanes 0)."""
+    if MASK_K:
+        v = tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+    else:
+        v = tl.load(x_ptr + ks, eviction_policy="evict_last")
+    x = v.to(tl.float32)
+    if PRO == 1:
+        if MASK_K:
+            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        else:
+            nw = tl.load(nw_ptr + ks, eviction_policy="evict_last")
+        x = (x * inv_rms * (1.0 + nw.to(tl.float32))).to(v.dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _x_gated(o_ptr, z_ptr, nw_ptr, base, ds, d_ok, inv_rms, MASK_K: tl.constexpr):
+    """round(w[ds] * round(o * inv_rms) * silu(z)) at head offset `base` (masked lanes 0)."""
+    if MASK_K:
+        o = tl.load(o_ptr + base + ds, mask=d_ok, other=0.0, eviction_policy="evict_last")
+        z = tl.load(z_ptr + base + ds, mask=d_ok, other=0.0, eviction_policy="evict_last")
+        nw = tl.load(nw_ptr + ds, mask=d_ok, other=0.0, eviction_policy="evict_last")
+    else:
+        o = tl.load(o_ptr + base + ds, eviction_policy="evict_last")
+        z = tl.load(z_ptr + base + ds, eviction_policy="evict_last")
+        nw = tl.load(nw_ptr + ds, eviction_policy="evict_last")
+    act = o.dtype
+    n = (o.to(tl.float32) * inv_rms).to(act).to(tl.float32)
+    zf = z.to(tl.float32)
+    return (nw.to(tl.float32) * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32)
+
+
+@triton.jit
+def _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
+                    CONV_DIM, EPI: tl.constexpr, KW: tl.constexpr):
+    out_ty = out_ptr.dtype.element_ty
+    act_dtype = out_ty                            # the unfused path rounds to its buffer
+    if EPI == 2:
+        y = y * tl.sigmoid(y) * up
+    if EPI == 1:
+        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if EPI == 3:
+        # causal depthwise conv step for the conv channels among these rows (one owner each)
+        is_conv = row_mask & (rows < CONV_DIM)
+        c = tl.where(is_conv, rows, 0).to(tl.int64)
+        m_new = y.to(act_dtype)                   # the projection output, as stored unfused
+        acc = m_new.to(tl.float32) * tl.load(conv_w_ptr + c * KW + (KW - 1), mask=is_conv,
+                                             other=0.0).to(tl.float32)
+        for j in tl.static_range(KW - 1):
+            s_j = tl.load(conv_state_ptr + c * (KW - 1) + j, mask=is_conv, other=0.0)
+            w_j = tl.load(conv_w_ptr + c * KW + j, mask=is_conv, other=0.0)
+            acc += s_j.to(tl.float32) * w_j.to(tl.float32)
+        conv = acc.to(act_dtype).to(tl.float32)
+        silu = (conv * tl.sigmoid(conv)).to(act_dtype).to(tl.float32)
+        # each state element below is read by the thread that rewrites it (same row): the
+        # loads of a row's old state all precede its stores in that thread's program order
+        for j in tl.static_range(KW - 2):
+            nxt = tl.load(conv_state_ptr + c * (KW - 1) + (j + 1), mask=is_conv, other=0.0)
+            tl.store(conv_state_ptr + c * (KW - 1) + j, nxt, mask=is_conv)
+        tl.store(conv_state_ptr + c * (KW - 1) + (KW - 2),
+                 m_new.to(conv_state_ptr.dtype.element_ty), mask=is_conv)
+        y = tl.where(is_conv, silu, y)
+    tl.store(out_ptr + rows, y.to(out_ty), mask=row_mask)
+
+
+@triton.jit
+def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+                       conv_w_ptr, part_ptr, cnt_ptr,
+                       N_OUT, K, stride_w, eps, K_PER_SPLIT, CONV_DIM,
+                       PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
+                       KW: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
+                       MASK_N: tl.constexpr, MASK_K: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    PAIR: tl.constexpr = EPI == 2
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+    g_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    u_rows = w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w    # PAIR: up half
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+    if PRO == 2:
+        # K = heads x DV; the splits own whole heads
+        n_heads = K // DV
+        h_lo = pid_s * K_PER_SPLIT
+        h_hi = tl.minimum(h_lo + K_PER_SPLIT, n_heads)
+        # first weight tile in flight before waiting for the producer kernel
+        w0 = _w_tile(g_rows, h_lo * DV + offs_k, row_mask, offs_k < DV, MASK_N, MASK_K)
+        _pdl_wait(PDL)
+        offs_d = tl.arange(0, BLOCK_X)
+        for hh in range(h_lo, h_hi):
+            base = hh * DV
+            o_h = tl.load(x_ptr + base + offs_d, mask=offs_d < DV, other=0.0,
+                          eviction_policy="evict_last").to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(o_h * o_h, axis=0) / DV + eps)
+            for d0 in tl.static_range(0, DV, BLOCK_K):
+                ds = d0 + offs_k
+                d_ok = ds < DV
+                x = _x_gated(x_ptr, z_ptr, nw_ptr, base, ds, d_ok, inv_rms, MASK_K)
+                if d0 == 0:
+                    if hh == h_lo:
+                        w = w0                  # the tile prefetched before the wait
+                    else:
+                        w = _w_tile(g_rows, base + ds, row_mask, d_ok, MASK_N, MASK_K)
+                else:
+                    w = _w_tile(g_rows, base + ds, row_mask, d_ok, MASK_N, MASK_K)
+                acc += w * x[None, :]
+    else:
+        k_lo = pid_s * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        ks0 = k_lo + offs_k
+        w0 = _w_tile(g_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
+        if PAIR:
+            u0 = _w_tile(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
+        _pdl_wait(PDL)
+        inv_rms = 1.0
+        if PRO == 1:
+            inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_X)
+        x = _x_rms(x_ptr, nw_ptr, ks0, ks0 < k_hi, inv_rms, PRO, MASK_K)
+        acc += w0 * x[None, :]
+        if PAIR:
+            acc_u += u0 * x[None, :]
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            ks = k0 + offs_k
+            k_ok = ks < k_hi
+            x = _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
+            acc += _w_tile(g_rows, ks, row_mask, k_ok, MASK_N, MASK_K) * x[None, :]
+            if PAIR:
+                acc_u += _w_tile(u_rows, ks, row_mask, k_ok, MASK_N, MASK_K) * x[None, :]
+
+    y = tl.sum(acc, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SPLIT_K == 1:
+        _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
+                        CONV_DIM, EPI, KW)
+    else:
+        n_part = N_OUT * (2 if PAIR else 1)       # partial rows per split
+        tl.store(part_ptr + pid_s * n_part + rows, y, mask=row_mask)
+        if PAIR:
+            tl.store(part_ptr + pid_s * n_part + N_OUT + rows, up, mask=row_mask)
+        # all of this program's partial stores are issued before its ticket (release)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read the other SMs' partials from L2, never a stale L1 line
+                y += tl.load(part_ptr + s * n_part + rows, mask=row_mask, other=0.0,
+                             cache_modifier=".cg")
+                if PAIR:
+                    up += tl.load(part_ptr + s * n_part + N_OUT + rows, mask=row_mask,
+                                  other=0.0, cache_modifier=".cg")
+            _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr,
+                            conv_w_ptr, CONV_DIM, EPI, KW)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
+
+
+def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
+                         silu_mul: bool = False) -> dict:
+    """Fallback launch plan for a fused GEMV: dict(split_k, block_n, block_k, num_warps)."""
+    if prologue == "gated":
+        block_k = min(256, triton.next_power_of_2(max(head_dim, 16)))
+    else:
+        block_k = min(512, triton.next_power_of_2(max(k, 16)))
+    per_tile = 2048 if silu_mul else 4096            # the pair form holds two tiles
+    block_n = max(1, min(32, per_tile // block_k, triton.next_power_of_2(n_out)))
+    programs = triton.cdiv(n_out, block_n)
+    split_k = 1
+    if programs < TARGET_PROGRAMS // 2:
+        units = (k // head_dim) if prologue == "gated" else triton.cdiv(k, block_k)
+        split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, programs), units // 2))
+    return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
+
+
+DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                 "decode_tuning.json")
+
+
+@lru_cache(maxsize=1)
+def decode_table() -> dict:
+    """{kernel key: entry} from decode_tuning.json (tune_decode.py); {} when absent/broken."""
+    try:
+        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
+            data = json.load(f)
+        return {str(e["key"]): e for e in data.get("entries", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
+    """Table key of a fused GEMV: e.g. 'gemv:8224x1024:rms:conv'."""
+    return f"gemv:{n_out}x{k}:{prologue}:{epilogue}"
+
+
+def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+               head_dim: int = 0) -> dict:
+    """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan."""
+    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    if e is not None:
+        try:
+            p = dict(split_k=int(e["split_k"]), block_n=int(e["block_n"]),
+                     block_k=int(e["block_k"]), num_warps=int(e["num_warps"]))
+            if prologue != "gated" or p["block_k"] <= triton.next_power_of_2(head_dim):
+                return p
+        except (KeyError, TypeError, ValueError):
+            pass
+    return fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
+
+
+def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
+    """(fp32 partials, int32 counters) elements a split-K fused launch needs (0, 0 if none).
+    The counters must be zeroed once at allocation; the kernel leaves them at zero."""
+    s = int(plan_["split_k"])
+    if s <= 1:
+        return 0, 0
+    return s * n_out * (2 if silu_mul else 1), triton.cdiv(n_out, int(plan_["block_n"]))
+
+
+def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
+               norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
+               gate: Optional[torch.Tensor] = None, head_dim: int = 0,
+               residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+               conv_state: Optional[torch.Tensor] = None, conv_w: Optional[torch.Tensor] = None,
+               split_k: Optional[int] = None, partials: Optional[torch.Tensor] = None,
+               counters: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
+               block_k: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+    """One fused decode GEMV (see the block comment above); returns out.
+
+    Prologue: none; `norm_w` alone = zero-centred RMSNorm of x (norm_w [K]); `norm_w` + `gate`
+    + `head_dim` = gated RMSNorm per head (x = o [K], gate = z [K], norm_w [head_dim]).
+    Epilogue: plain; `residual` (out may be residual itself); `silu_mul` (W = [gate; up],
+    out [N/2]); `conv_state` [C, Kc-1] + `conv_w` [C, Kc] = the GDN causal-conv update of the
+    first C rows (state updated in place). The norm is rounded to x.dtype, the conv to
+    out.dtype.
+    split_k > 1 needs `partials` (fp32) and `counters` (int32, zeroed once) of
+    fused_scratch_numel() elements. Block sizes default to fused_plan(). Never allocates/syncs."""
+    _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in _DTYPES,
+            "gemv_fused: W must be a contiguous [N, K] float matrix")
+    n_rows, K = W.shape
+    _expect(x.numel() == K and x.is_contiguous() and x.dtype in _DTYPES,
+            f"gemv_fused: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
+    _expect(not silu_mul or n_rows % 2 == 0, "gemv_fused: silu_mul needs an even number of rows")
+    n_out = n_rows // 2 if silu_mul else n_rows
+    _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in _DTYPES,
+            f"gemv_fused: out must be a contiguous float vector of {n_out}")
+    dev = out.device
+    _expect(x.device == W.device == dev, "gemv_fused: tensors must be on one device")
+
+    pro_name, pro = "none", PRO_NONE
+    dv = 1
+    if gate is not None:
+        dv = int(head_dim)
+        _expect(norm_w is not None and dv >= 1 and K % dv == 0,
+                "gemv_fused: the gated norm needs norm_w and a head_dim dividing K")
+        _expect(gate.numel() == K and gate.is_contiguous() and gate.dtype == x.dtype
+                and gate.device == dev, f"gemv_fused: gate must be a contiguous [{K}] like x")
+        _expect(norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.device == dev,
+                f"gemv_fused: the gated norm weight must hold head_dim={dv} values")
+        pro_name, pro = "gated", PRO_GATED
+    elif norm_w is not None:
+        _expect(norm_w.numel() == K and norm_w.is_contiguous() and norm_w.device == dev,
+                f"gemv_fused: norm_w must be a contiguous [{K}] vector")
+        pro_name, pro = "rms", PRO_RMS
+
+    modes = [residual is not None, bool(silu_mul), conv_state is not None]
+    _expect(sum(modes) <= 1, "gemv_fused: choose at most one of residual, silu_mul, conv")
+    epi_name = ("residual" if modes[0] else "silu_mul" if modes[1]
+                else "conv" if modes[2] else "plain")
+    epi = _EPILOGUES[epi_name]
+    kw, conv_dim = 2, 0
+    if residual is not None:
+        _expect(residual.numel() == n_out and residual.is_contiguous() and residual.device == dev,
+                f"gemv_fused: residual must be a contiguous [{n_out}] vector")
+    if conv_state is not None:
+        _expect(conv_w is not None, "gemv_fused: the conv epilogue needs conv_w")
+        if conv_w.dim() == 3 and conv_w.shape[1] == 1:
+            conv_w = conv_w.view(conv_w.shape[0], conv_w.shape[2])
+        _expect(conv_w.dim() == 2 and conv_w.is_contiguous() and conv_w.shape[1] >= 2,
+                "gemv_fused: conv_w must be a contiguous [C, Kc] matrix with Kc >= 2")
+        conv_dim, kw = conv_w.shape
+        _expect(conv_dim <= n_out, "gemv_fused: more conv channels than output rows")
+        _expect(tuple(conv_state.shape) == (conv_dim, kw - 1) and conv_state.is_contiguous()
+                and conv_state.device == dev and conv_w.device == dev,
+                f"gemv_fused: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
+
+    p = fused_plan(n_out, K, pro_name, epi_name, dv)
+    split_k = int(p["split_k"] if split_k is None else split_k)
+    block_n = int(block_n or p["block_n"])
+    block_k = int(block_k or p["block_k"])
+    num_warps = int(num_warps or p["num_warps"])
+    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv_fused: block_n must be a power of 2")
+    _expect(block_k >= 16 and block_k & (block_k - 1) == 0,
+            "gemv_fused: block_k must be a power of 2 >= 16")
+    _expect(1 <= split_k <= 64, "gemv_fused: split_k must be in 1..64")
+    if pro == PRO_GATED:
+        _expect(block_k <= max(16, triton.next_power_of_2(dv)),
+                "gemv_fused: with the gated norm block_k must not exceed the head size")
+        units = K // dv                                    # splits own whole heads
+        per_split = triton.cdiv(units, split_k)
+        mask_k = dv % block_k != 0
+        block_x = triton.next_power_of_2(dv)
+    else:
+        per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+        mask_k = K % block_k != 0
+        block_x = min(1024, triton.next_power_of_2(K))
+    grid_s = triton.cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
+    n_blocks = triton.cdiv(n_out, block_n)
+    part, cnt = out, out                     # dummies, never touched when SPLIT_K == 1
+    if grid_s > 1:
+        need_p, need_c = fused_scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
+                                             bool(silu_mul))
+        _expect(partials is not None and partials.dtype == torch.float32
+                and partials.is_contiguous() and partials.numel() >= need_p
+                and partials.device == dev,
+                f"gemv_fused: split_k={split_k} needs fp32 partials of >= {need_p} elements")
+        _expect(counters is not None and counters.dtype == torch.int32
+                and counters.is_contiguous() and counters.numel() >= need_c
+                and counters.device == dev,
+                f"gemv_fused: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
+        part, cnt = partials, counters
+    res = residual if residual is not None else out
+    z = gate if gate is not None else x
+    nw = norm_w if norm_w is not None else x
+    cs = conv_state if conv_state is not None else out
+    cw = conv_w if conv_state is not None else out
+    _fused_gemv_kernel[(n_blocks, grid_s)](
+        x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
+        conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_X=block_x, MASK_N=n_out % block_n != 0, MASK_K=mask_k,
+        PDL=pdl_active(dev), num_warps=num_warps, **_launch_kw(dev))
+    return out
+
+
+def gemv_rmsnorm(h: torch.Tensor, norm_w: torch.Tensor, eps: float, W: torch.Tensor,
+                 out: torch.Tensor, **kw) -> torch.Tensor:
+    """out = W @ round(rms_norm_zc(h, norm_w)) with any gemv_fused epilogue (**kw)."""
+    return gemv_fused(h, W, out, norm_w=norm_w, eps=eps, **kw)

@@ -129,8 +129,12 @@ def attention_decode_ref(qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos: in
     return y.reshape(-1).to(dt), k_cache, v_cache
 
 
-def lm_head_argmax_ref(h: torch.Tensor, E: torch.Tensor, valid_vocab: int):
-    """(fp32 logits [V], argmax over ids < valid_vocab, lowest id on ties)."""
+def lm_head_argmax_ref(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
+                       norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6):
+    """(fp32 logits [V], argmax over ids < valid_vocab, lowest id on ties); with norm_w the
+    final norm first: logits = E @ rms_norm_ref(h, norm_w, eps) (rounded to h.dtype)."""
+    if norm_w is not None:
+        h = rms_norm_ref(h.reshape(-1), norm_w, eps)
     logits = E.float() @ h.reshape(-1).float()
     return logits, int(torch.argmax(logits[:valid_vocab]))
 
@@ -182,3 +186,79 @@ def sample_from_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor, *
     w = torch.where(keep, pw, zero).double()
     probs[ids] = w / w.sum()
     return probs
+
+
+# ------------------------------------------------------------------------------------------
+# v2 fused decode operators (gemv.gemv_fused, gdn_decode.gdn_decode_core)
+# ------------------------------------------------------------------------------------------
+
+def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
+                       head_dim: int) -> torch.Tensor:
+    """Per head of head_dim: n = round(o * rsqrt(mean(o^2) + eps)); round(w * n * silu(z))."""
+    dt = o.dtype
+    o32 = o.reshape(-1, head_dim).float()
+    n = _round(o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps), dt)
+    y = w.float() * n * F.silu(z.reshape(-1, head_dim).float())
+    return y.reshape(-1).to(dt)
+
+
+def conv_step_ref(m: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor):
+    """One causal depthwise conv token + SiLU on channels m [C] (already rounded to its dtype):
+    returns (round(silu(round(conv))) [C], new conv_state)."""
+    dt = m.dtype
+    conv_w = conv_w.reshape(m.numel(), -1)
+    seq = torch.cat([conv_state.float(), m.float()[:, None]], dim=1)   # oldest first
+    conv = _round((seq * conv_w.float()).sum(1), dt)
+    y = F.silu(conv).to(dt)
+    return y, torch.cat([conv_state[:, 1:], m[:, None].to(conv_state.dtype)], dim=1)
+
+
+def gemv_fused_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.Tensor] = None,
+                   eps: float = 1e-6, gate: Optional[torch.Tensor] = None, head_dim: int = 0,
+                   residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+                   conv_state: Optional[torch.Tensor] = None,
+                   conv_w: Optional[torch.Tensor] = None,
+                   out_dtype: Optional[torch.dtype] = None):
+    """The unfused sequence gemv_fused replaces: norm (rounded to x.dtype) -> gemv_ref (rounded
+    to out_dtype) -> conv step on the first C rows. Returns (out, new conv_state or None)."""
+    dt = out_dtype or x.dtype
+    x = x.reshape(-1)
+    if gate is not None:
+        x = gated_rms_norm_ref(x, gate.reshape(-1), norm_w, eps, head_dim)
+    elif norm_w is not None:
+        x = rms_norm_ref(x, norm_w, eps)
+    y = gemv_ref(x, W, residual=residual, silu_mul=silu_mul, out_dtype=dt)
+    if conv_state is None:
+        return y, None
+    c = conv_state.shape[0]
+    conv_y, new_state = conv_step_ref(y[:c], conv_state, conv_w)
+    return torch.cat([conv_y, y[c:]]), new_state
+
+
+def gdn_decode_core_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_heads: int,
+                        num_v_heads: int, head_k_dim: int, head_v_dim: int):
+    """The GDN recurrence of one token from the fused in_proj output proj = [conv output
+    (q|k|v, already conv+SiLU) | z | b | a]: returns (o [Hv*dv] rounded to proj.dtype, new
+    fp32 state). The gated norm is not applied (the out_proj prologue does it)."""
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    dt = proj.dtype
+    conv_dim = 2 * hk * dk + hv * dv
+    x = proj[:conv_dim].float()
+    q = x[:hk * dk].view(hk, dk)
+    k = x[hk * dk:2 * hk * dk].view(hk, dk)
+    v = x[2 * hk * dk:].view(hv, dv)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * dk ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = hv // hk
+    q = q.repeat_interleave(group, 0)          # value head h reads key head h // group
+    k = k.repeat_interleave(group, 0)
+    b = proj[conv_dim + hv * dv:conv_dim + hv * dv + hv]
+    a = proj[conv_dim + hv * dv + hv:conv_dim + hv * dv + 2 * hv]
+    beta = _round(torch.sigmoid(b.float()), dt)
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), threshold=20.0)
+    S = state.float() * torch.exp(g)[:, None, None]
+    pred = torch.einsum("hkv,hk->hv", S, k)
+    delta = beta[:, None] * (v - pred)
+    S = S + k[:, :, None] * delta[:, None, :]
+    o = torch.einsum("hkv,hk->hv", S, q)
+    return o.reshape(-1).to(dt), S

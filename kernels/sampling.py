@@ -109,16 +109,30 @@ def _unpack_idx(key):
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _lm_head_kernel(h_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, stride_e,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, stride_e, eps,
+                    PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    # PRO = 1: the final zero-centred RMSNorm of h is this GEMV's prologue (rounded to h.dtype)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < V
-    acc = _gemv._gemv_rows(h_ptr, e_ptr, rows, row_mask, stride_e, 0, K,
-                           BLOCK_N, BLOCK_K, MASK_N, MASK_K)
-    tl.store(logits_ptr + rows, acc, mask=row_mask)
-    keys = tl.where(rows < VALID, _pack(acc, rows), _KEY_EMPTY)
+    offs_k = tl.arange(0, BLOCK_K)
+    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e
+    w0 = _gemv._w_tile(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
+    _gemv._pdl_wait(PDL)
+    inv_rms = 1.0
+    if PRO == 1:
+        inv_rms = _gemv._rms_inv(h_ptr, K, eps, BLOCK_X)
+    acc = w0 * _gemv._x_rms(h_ptr, nw_ptr, offs_k, offs_k < K, inv_rms, PRO, MASK_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        x = _gemv._x_rms(h_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
+        acc += _gemv._w_tile(e_rows, ks, row_mask, k_ok, MASK_N, MASK_K) * x[None, :]
+    logit = tl.sum(acc, axis=1)
+    tl.store(logits_ptr + rows, logit, mask=row_mask)
+    keys = tl.where(rows < VALID, _pack(logit, rows), _KEY_EMPTY)
     tl.store(part_ptr + pid, tl.max(keys, axis=0))
 
 
@@ -133,6 +147,20 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, BLOCK: tl.constexpr):
     tl.store(token_ptr, tok.to(token_ptr.dtype.element_ty))
 
 
+def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
+    """dict(block_n, block_k, num_warps) of lm_head_argmax: decode_tuning.json's entry
+    'lm_head:{V}x{D}:{rms|none}', else the GEMV plan of [V, D]. Size the partials with it."""
+    e = _gemv.decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
+    if e is not None:
+        try:
+            return dict(block_n=int(e["block_n"]), block_k=int(e["block_k"]),
+                        num_warps=int(e["num_warps"]))
+        except (KeyError, TypeError, ValueError):
+            pass
+    p = _gemv.plan(vocab, dim, False)
+    return dict(block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"])
+
+
 def lm_head_partials_numel(vocab: int, block_n: int) -> int:
     """int64 elements of the per-block argmax scratch of lm_head_argmax."""
     return triton.cdiv(vocab, block_n)
@@ -140,11 +168,14 @@ def lm_head_partials_numel(vocab: int, block_n: int) -> int:
 
 def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    logits_out: torch.Tensor, token_out: torch.Tensor, partials: torch.Tensor,
-                   *, block_n: Optional[int] = None, block_k: Optional[int] = None,
+                   *, norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                   block_n: Optional[int] = None, block_k: Optional[int] = None,
                    num_warps: Optional[int] = None) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
-    int64 with >= lm_head_partials_numel(V, block_n) elements. Returns token_out."""
+    int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
+    zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
+    raw residual stream. Returns token_out."""
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
@@ -157,8 +188,11 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
         raise ValueError(f"lm_head_argmax: logits_out must be a contiguous float32 [{V}]")
     if token_out.numel() < 1 or token_out.dtype not in (torch.int32, torch.int64):
         raise ValueError("lm_head_argmax: token_out must be an int32/int64 tensor")
+    if norm_w is not None and (norm_w.numel() != D or not norm_w.is_contiguous()
+                               or norm_w.device != h.device):
+        raise ValueError(f"lm_head_argmax: norm_w must be a contiguous [{D}] vector")
     if block_n is None or block_k is None or num_warps is None:
-        p = _gemv.plan(V, D, False)
+        p = lm_head_plan(V, D, norm_w is not None)
         block_n, block_k, num_warps = (block_n or p["block_n"], block_k or p["block_k"],
                                        num_warps or p["num_warps"])
     nb = triton.cdiv(V, block_n)
@@ -168,9 +202,13 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     for t in (E, logits_out, token_out, partials):
         if t.device != h.device:
             raise ValueError("lm_head_argmax: all tensors must be on one device")
-    _lm_head_kernel[(nb,)](h, E, logits_out, partials, V, int(valid_vocab), D, E.stride(0),
-                           BLOCK_N=block_n, BLOCK_K=block_k, MASK_N=V % block_n != 0,
-                           MASK_K=D % block_k != 0, num_warps=num_warps)
+    _lm_head_kernel[(nb,)](h, norm_w if norm_w is not None else h, E, logits_out, partials, V,
+                           int(valid_vocab), D, E.stride(0), float(eps),
+                           PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
+                           BLOCK_K=block_k, BLOCK_X=min(1024, triton.next_power_of_2(D)),
+                           MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
+                           PDL=_gemv.pdl_active(h.device), num_warps=num_warps,
+                           **_gemv._launch_kw(h.device))
     _argmax_keys_kernel[(1,)](partials, nb, token_out,
                               BLOCK=min(1024, triton.next_power_of_2(nb)), num_warps=4)
     return token_out

@@ -103,3 +103,25 @@ def _has_cuda():
 def test_debug_shows_traceback(tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", "--debug")
     assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_terminal_chat(model_dir):
+    e = dict(os.environ, HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "tritonchat.engine.cli", "chat", "--model", str(model_dir),
+                        "--max-new-tokens", "5", "--seed", "1", "--system", "Be brief."],
+                       input="Hello there\n/reset\nSecond question\n/quit\n", capture_output=True, text=True,
+                       timeout=300, env=e)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tokens, TTFT") == 2          # two answers with their stats line
+
+
+def test_offline_hub_id_is_one_sentence(tmp_path):
+    r = run_cli("generate", "--model", "Qwen/Qwen3.5-0.8B", "--prompt", "x", "--offline",
+                env={"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "home")})
+    _bad(r, "Qwen/Qwen3.5-0.8B")
+
+
+def test_bench_without_gpu_is_one_sentence():
+    if _has_cuda():
+        pytest.skip("has a GPU")
+    _bad(run_cli("bench", "--random-weights"), "CUDA")
