@@ -317,6 +317,8 @@ class MainWindow(QMainWindow):
         self.engine.load(model_dir, settings)
 
     def _on_load_progress(self, stage: str, fraction: float) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.load_bar.show()
         self.load_bar.setValue(int(max(0.0, min(1.0, fraction)) * 1000))
         text = f"{STAGES.get(stage, stage)}\u2026 {fraction:.0%}"
@@ -324,6 +326,8 @@ class MainWindow(QMainWindow):
         self.chat.welcome.set_model_text(f"Loading the model: {text}")
 
     def _on_loaded(self, info: dict) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.loaded = True
         self.load_bar.hide()
         self.engine_options = dict(info.get("options") or {})
@@ -346,6 +350,8 @@ class MainWindow(QMainWindow):
         self.modelLoaded.emit(dict(info))
 
     def _on_load_failed(self, sentence: str, details: str, kind: str) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.load_bar.hide()
         self.engine_label.setText("The model could not be loaded")
         self.input.set_ready(False, "No model is loaded")
@@ -354,6 +360,8 @@ class MainWindow(QMainWindow):
         self.modelLoadFailed.emit(sentence, details)
 
     def _on_fell_back(self, sentence: str, details: str) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.show_banner(f"{sentence} The reference engine runs instead: slow.", details, warning=True)
 
     def _welcome_text(self) -> str:
@@ -658,9 +666,13 @@ class MainWindow(QMainWindow):
         self.generationFailed.emit(sentence, details)
 
     def _on_configure_failed(self, sentence: str, details: str) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         show_error(self, sentence, details)
 
     def _on_configured(self, options: dict) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.engine_options = dict(options)
         self.max_context = int(options.get("max_context") or self.max_context)
         self._update_engine_label()
@@ -677,13 +689,15 @@ class MainWindow(QMainWindow):
         self.engine.count_tokens(tag, messages, self.settings.thinking)
 
     def _on_token_count(self, tag: int, n: int, max_context: int) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         if tag == (self.conv_id if self.conv_id is not None else -1) and self.gen is None:
             self.max_context = max_context
             self.input.set_context(n, max_context)
 
     # ================================================================== timing panel
     def _on_timing_toggled(self, visible: bool) -> None:
-        if not self.loaded:
+        if not self.loaded or self._closing:
             return
         if self._timing_sent != visible:
             self._timing_sent = visible
@@ -692,6 +706,8 @@ class MainWindow(QMainWindow):
             self.engine.read_timings()
 
     def _on_timings(self, info: dict) -> None:
+        if self._closing:        # reports still queued when the window closed
+            return
         self.timing.set_timings(info)
 
     # ================================================================== settings

@@ -27,7 +27,7 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
-TOP_K_MAX = 1024
+TOP_K_MAX = 256
 TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 
 
@@ -88,7 +88,7 @@ class TritonBackend(Backend):
         self._progress = progress
         self._pack_weights(weights)
         self._allocate(options.max_context)
-        self._plans = {}
+        self._gdn_block_v = None                  # from the tuned table (gdn_decode_core default)
         self._set_split_k(options.split_k)
         self._timer: Optional[_Timer] = None
         self._timing_interval_s = 0.5
@@ -164,7 +164,6 @@ class TritonBackend(Backend):
         self.tok_buf = torch.zeros(1, device=dev, dtype=torch.int64)
         self.pos_buf = torch.zeros(1, device=dev, dtype=torch.int32)
         self.h = z(D)                                          # residual stream
-        self.x = z(D)                                          # normalised input of the next block
         self.gdn_proj = z(cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads)
         self.gdn_out = z(cfg.linear_value_dim)
         self.attn_proj = z(2 * H * hd + 2 * KV * hd)
@@ -184,22 +183,45 @@ class TritonBackend(Backend):
                                           dtype=torch.int64)
 
     def _set_split_k(self, enabled: bool) -> None:
+        """Launch plans of every decode GEMV (block sizes and split-K from the tuned tables);
+        split-K off = the same tiles without splitting. Scratch sized for the largest."""
         from tritonchat.kernels import gemv as G
+        from tritonchat.kernels import sampling as S
         self.options.split_k = bool(enabled)
-        shapes = set()
+        cfg = self.cfg
+        self._fplans: dict = {}
+        need_p, need_c = 1, 1
+
+        def add(W, prologue, epilogue, head_dim=0):
+            nonlocal need_p, need_c
+            n_out = W.shape[0] // 2 if epilogue == "silu_mul" else W.shape[0]
+            key = (tuple(W.shape), prologue, epilogue)
+            if key in self._fplans:
+                return
+            p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim)
+            if not enabled:
+                p = dict(p, split_k=1)
+            self._fplans[key] = p
+            np_, nc = G.fused_scratch_numel(n_out, p, epilogue == "silu_mul")
+            need_p, need_c = max(need_p, np_), max(need_c, nc)
+
         for L in self.layers:
             m = L.mixer
-            mats = [L.gate_up, L.down] + ([m.qkvzba, m.out_proj] if isinstance(m, _GdnLayer) else [m.qkv, m.o_proj])
-            shapes.update(tuple(t.shape) for t in mats)
-        shapes.add(tuple(self.lm_head_w.shape))
-        self._plans = {s: G.plan(s[0], s[1], bool(enabled)) for s in shapes}
-        lm = self._plans[tuple(self.lm_head_w.shape)]
-        self._plans[tuple(self.lm_head_w.shape)] = lm = G.plan(*self.lm_head_w.shape, False) if lm["split_k"] > 1 else lm
-        from tritonchat.kernels import sampling as S
-        self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(self.cfg.vocab_size, lm["block_n"]),
+            if isinstance(m, _GdnLayer):
+                add(m.qkvzba, "rms", "conv")
+                add(m.out_proj, "gated", "residual", cfg.linear_value_head_dim)
+            else:
+                add(m.qkv, "rms", "plain")
+                add(m.o_proj, "none", "residual")
+            add(L.gate_up, "rms", "silu_mul")
+            add(L.down, "none", "residual")
+        add(self.lm_head_w, "rms", "plain")            # the sampled path's LM head
+        self.gemv_partials = torch.zeros(need_p, device=self.device, dtype=torch.float32)
+        self.gemv_counters = torch.zeros(need_c, device=self.device, dtype=torch.int32)
+        lm = S.lm_head_plan(cfg.vocab_size, cfg.hidden_size, True)
+        self._lm_plan = lm
+        self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
                                             device=self.device, dtype=torch.int64)
-        need = max(G.partials_numel(s[0], p["split_k"]) for s, p in self._plans.items())
-        self.gemv_partials = torch.zeros(max(need, 1), device=self.device, dtype=torch.float32)
         self._invalidate_graph()
 
     # ------------------------------------------------------------------- kernel calls ----
@@ -218,40 +240,39 @@ class TritonBackend(Backend):
 
     _timer_active: Optional[_Timer] = None
 
-    def _gemv(self, name: str, x, W, out, *, residual=None, silu_mul=False):
-        from tritonchat.kernels.gemv import gemv
-        p = self._plans[tuple(W.shape)]
-        nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size() * (2 if residual is not None else 1)
-        self._launch(name, nbytes, gemv, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
-                     residual=residual, silu_mul=silu_mul, block_n=p["block_n"], block_k=p["block_k"],
-                     num_warps=p["num_warps"])
+    def _gemv(self, name: str, x, W, out, prologue: str = "none", epilogue: str = "plain", **kw):
+        """One fused decode GEMV (RMSNorm / gated-norm prologue; residual / SiLU*up / conv epilogue)."""
+        from tritonchat.kernels.gemv import gemv_fused
+        p = self._fplans[(tuple(W.shape), prologue, epilogue)]
+        nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
+        self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
+                     counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
+                     num_warps=p["num_warps"], **kw)
 
-    def _rms_norm(self, name: str, x, w, out):
-        from tritonchat.kernels.rms_norm import rms_norm
-        self._launch(name, x.numel() * x.element_size() * 2 + w.numel() * w.element_size(), rms_norm,
-                     x.view(1, -1), w, self.cfg.rms_norm_eps, out.view(1, -1))
-
-    # -------------------------------------------------------------- the decode step ----
     def _layers_step(self) -> None:
-        """All layers for the token whose embedding is in self.h, at position pos_buf."""
+        """All layers for the token whose embedding is in self.h, at position pos_buf.
+        GDN layer: 3 launches + MLP 2; attention layer: 4 + MLP 2 (norms fused into GEMV prologues)."""
         from tritonchat.kernels.attention_decode import attention_decode
-        from tritonchat.kernels.gdn_decode import gdn_decode
-        cfg = self.cfg
+        from tritonchat.kernels.gdn_decode import gdn_decode_core
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        cd, vd = cfg.conv_dim, cfg.linear_value_dim
         for i, L in enumerate(self.layers):
-            self._rms_norm("rms_norm", self.h, L.input_norm, self.x)
             m = L.mixer
             if isinstance(m, _GdnLayer):
-                self._gemv("gemv_gdn_in_proj", self.x, m.qkvzba, self.gdn_proj)
-                qkvz_n = cfg.conv_dim + cfg.linear_value_dim
-                state_bytes = self.state.rec[i].numel() * 4 * 2 + self.state.conv[i].numel() * self.state.conv[i].element_size() * 2
-                self._launch("gdn_decode", state_bytes, gdn_decode, self.gdn_proj[:qkvz_n], self.gdn_proj[qkvz_n:],
-                             self.state.conv[i], m.conv_w, m.A_log, m.dt_bias, self.state.rec[i], m.norm_w,
-                             self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
+                conv = self.state.conv[i]
+                self._gemv("gemv_gdn_in_proj_norm_conv", self.h, m.qkvzba, self.gdn_proj, "rms", "conv",
+                           norm_w=L.input_norm, eps=eps, conv_state=conv, conv_w=m.conv_w)
+                rec = self.state.rec[i]
+                self._launch("gdn_decode_core", rec.numel() * 4 * 2, gdn_decode_core, self.gdn_proj, m.A_log,
+                             m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
                              num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
-                             head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
-                self._gemv("gemv_gdn_out_proj", self.gdn_out, m.out_proj, self.h, residual=self.h)
+                             head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v)
+                self._gemv("gemv_gdn_out_proj_gatednorm", self.gdn_out, m.out_proj, self.h, "gated", "residual",
+                           norm_w=m.norm_w, gate=self.gdn_proj[cd:cd + vd], head_dim=cfg.linear_value_head_dim,
+                           eps=eps, residual=self.h)
             else:
-                self._gemv("gemv_attn_qkv", self.x, m.qkv, self.attn_proj)
+                self._gemv("gemv_attn_qkv_norm", self.h, m.qkv, self.attn_proj, "rms", "plain",
+                           norm_w=L.input_norm, eps=eps)
                 H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
                 q_n, kv_n = 2 * H * hd, KV * hd
                 kc, vc = self.state.kv[i]
@@ -261,25 +282,27 @@ class TritonBackend(Backend):
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps, num_splits=self.attn_splits)
-                self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, residual=self.h)
-            self._rms_norm("rms_norm", self.h, L.post_norm, self.x)
-            self._gemv("gemv_mlp_gate_up_silu", self.x, L.gate_up, self.act, silu_mul=True)
-            self._gemv("gemv_mlp_down", self.act, L.down, self.h, residual=self.h)
+                             rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits)
+                self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",
+                           residual=self.h)
+            self._gemv("gemv_mlp_gate_up_norm_silu", self.h, L.gate_up, self.act, "rms", "silu_mul",
+                       norm_w=L.post_norm, eps=eps, silu_mul=True)
+            self._gemv("gemv_mlp_down", self.act, L.down, self.h, "none", "residual", residual=self.h)
 
     def _head_step(self, sampled: bool) -> None:
-        """Final norm, LM head and the choice of the next token into tok_buf (no host sync)."""
+        """Final norm (fused), LM head and the choice of the next token into tok_buf (no host sync)."""
         from tritonchat.kernels import sampling as S
-        self._rms_norm("rms_norm", self.h, self.final_norm, self.x)
         E = self.lm_head_w
-        p = self._plans[tuple(E.shape)]
+        eps = self.cfg.rms_norm_eps
         nbytes = E.numel() * E.element_size()
         if not sampled:
-            self._launch("lm_head_argmax", nbytes, S.lm_head_argmax, self.x, E, self.valid_vocab, self.logits_buf,
-                         self.tok_buf, self.lm_head_partials, block_n=p["block_n"], block_k=p["block_k"],
-                         num_warps=p["num_warps"])
+            lm = self._lm_plan
+            self._launch("lm_head_norm_argmax", nbytes, S.lm_head_argmax, self.h, E, self.valid_vocab,
+                         self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
+                         block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"])
         else:
-            self._gemv("gemv_lm_head", self.x, E, self.logits_buf)
+            self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
+                       eps=eps)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
                          valid_vocab=self.valid_vocab, top_k_max=self.top_k_max)

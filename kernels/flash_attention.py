@@ -11,29 +11,36 @@ For new tokens t = 0..T-1 at positions p = start_pos + t, head h, kv head h // (
     o         = softmax_{s <= p}(q . K_s * hd^-0.5) V                       fp32 online softmax
     out[t, h] = round(o) * round(sigmoid(g))
 
-Two launches: the K/V pass writes the cache (every query block reads keys written by other
-programs), then the attention pass normalises and rotates its queries on load. The output is
-allocated by the caller.
+Two launches: the K/V pass writes the cache and a cos/sin table of the new positions (every
+query block reads keys written by other programs), then the attention pass normalises and
+rotates its queries on load. One attention program serves all GROUP = H / Hkv query heads of a
+KV head (their rows stacked in one Q tile), so each K/V tile is loaded once per group; blocks
+past the diagonal are skipped, blocks before it run unmasked. The output is allocated by the
+caller.
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import dot_precision
+from .gemm import dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _norm_rope_tile(src_ptr, rows, row_mask, row_stride, col_base, pos, w_ptr, inv_freq_ptr, eps,
+def _norm_rope_tile(src_ptr, row_off, row_mask, cos, sin, w_ptr, eps,
                     HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr):
-    """Load x[rows, col_base : col_base+HD], apply the zero-centred RMSNorm and partial
-    rotate-half RoPE with HF's roundings; returns the tile in the source dtype ([BT, HDP])."""
+    """Load x[row, row_off : row_off+HD] for each row, apply the zero-centred RMSNorm and the
+    partial rotate-half RoPE with HF's roundings (cos/sin: [BT, HDP] in the dtype, already
+    rounded, only the first ROT columns used); returns the tile in the source dtype.
+    Rounded intermediates stay in the dtype until used: with a 64 x 256 query tile every fp32
+    copy costs 64 registers a thread."""
     dtype = src_ptr.dtype.element_ty
     cols = tl.arange(0, HDP)
     in_head = cols < HD
@@ -41,27 +48,23 @@ def _norm_rope_tile(src_ptr, rows, row_mask, row_stride, col_base, pos, w_ptr, i
     is_rot = cols < ROT
     partner = tl.where(is_rot, tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2), cols)
     sign = tl.where(cols < ROT // 2, -1.0, 1.0)
-    ptrs = src_ptr + rows.to(tl.int64)[:, None] * row_stride + col_base
-    m = row_mask[:, None] & in_head[None, :]
-    x = tl.load(ptrs + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(ptrs + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
+    ptrs = src_ptr + row_off[:, None]
+    x = tl.load(ptrs + cols[None, :], mask=row_mask[:, None] & in_head[None, :], other=0.0)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / HD + eps)
     w1 = 1.0 + tl.load(w_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
-    w1p = 1.0 + tl.load(w_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
-    xn = (x * rstd[:, None] * w1[None, :]).to(dtype).to(tl.float32)
-    xpn = (xp * rstd[:, None] * w1p[None, :]).to(dtype).to(tl.float32)
-    # emb = [angles, angles]: column c uses frequency c mod rot/2
-    inv_freq = tl.load(inv_freq_ptr + (cols % (ROT // 2)), mask=is_rot, other=0.0)
-    ang = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-    cos = tl.cos(ang).to(dtype).to(tl.float32)
-    sin = tl.sin(ang).to(dtype).to(tl.float32)
-    rot = (xn * cos).to(dtype).to(tl.float32) + (sign[None, :] * xpn * sin).to(dtype).to(tl.float32)
-    return tl.where(is_rot[None, :], rot, xn).to(dtype)
+    xn = (x.to(tl.float32) * rstd[:, None] * w1[None, :]).to(dtype)
+    xp = tl.load(ptrs + partner[None, :], mask=row_mask[:, None] & is_rot[None, :], other=0.0)
+    w1p = 1.0 + tl.load(w_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    xpn = (xp.to(tl.float32) * rstd[:, None] * w1p[None, :]).to(dtype)
+    rot = ((xn.to(tl.float32) * cos.to(tl.float32)).to(dtype).to(tl.float32)
+           + (sign[None, :] * xpn.to(tl.float32) * sin.to(tl.float32)).to(dtype).to(tl.float32))
+    return tl.where(is_rot[None, :], rot.to(dtype), xn)
 
 
 @triton.jit
 def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
-                           T, start_pos, max_ctx, stride_k, stride_v, eps,
+                           cos_ptr, sin_ptr, T, start_pos, max_ctx, stride_k, stride_v, eps,
                            HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
                            BLOCK_T: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -71,8 +74,21 @@ def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr
     pos = start_pos + rows
     cols = tl.arange(0, HDP)
     m = row_mask[:, None] & (cols < HD)[None, :]
-    k = _norm_rope_tile(k_ptr, rows, row_mask, stride_k, kvh * HD, pos, k_norm_w_ptr,
-                        inv_freq_ptr, eps, HD, HDP, ROT)
+    dtype = k_ptr.dtype.element_ty
+    # emb = [angles, angles]: column c uses frequency c mod rot/2; cos/sin rounded like HF's
+    is_rot = cols < ROT
+    inv_freq = tl.load(inv_freq_ptr + (cols % (ROT // 2)), mask=is_rot, other=0.0)
+    ang = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+    cos = tl.cos(ang).to(dtype)
+    sin = tl.sin(ang).to(dtype)
+    # the query pass reads the same rounded table instead of recomputing it per head
+    first_kv = (rows * 0 + kvh) == 0                  # one of the Hkv programs writes it
+    half = (row_mask & first_kv)[:, None] & (cols < ROT // 2)[None, :]
+    tab = rows.to(tl.int64)[:, None] * (ROT // 2) + cols[None, :]
+    tl.store(cos_ptr + tab, cos, mask=half)
+    tl.store(sin_ptr + tab, sin, mask=half)
+    k = _norm_rope_tile(k_ptr, rows.to(tl.int64) * stride_k + kvh * HD, row_mask,
+                        cos, sin, k_norm_w_ptr, eps, HD, HDP, ROT)
     v = tl.load(v_ptr + rows.to(tl.int64)[:, None] * stride_v + kvh * HD + cols[None, :], mask=m)
     cache_rows = (kvh.to(tl.int64) * max_ctx + pos)[:, None] * HD + cols[None, :]
     tl.store(k_cache_ptr + cache_rows, k.to(k_cache_ptr.dtype.element_ty), mask=m)
@@ -83,23 +99,33 @@ def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr
 def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_len, pos,
                   qk_scale, HD: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32)."""
+    """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32). Blocks
+    before the diagonal are fully visible and in range: they load without any mask."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HDP)
     kv_ptrs = (kv_base + offs_n.to(tl.int64))[:, None] * HD + cols[None, :]
     if CAUSAL_MASK:
         kv_mask = (offs_n < kv_len)[:, None] & (cols < HD)[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    elif HD == HDP:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+        v = tl.load(v_cache_ptr + kv_ptrs)
     else:
         kv_mask = (cols < HD)[None, :]
-    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL_MASK:
         visible = (offs_n[None, :] <= pos[:, None]) & (offs_n < kv_len)[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # a row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # every key is visible: m_new is finite, no guard needed
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -108,20 +134,30 @@ def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_le
 
 
 @triton.jit
-def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
                               out_ptr, T, start_pos, max_ctx, stride_qg, stride_o, qk_scale, eps,
-                              GROUP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
-                              ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PREC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < T
-    pos = start_pos + rows
+                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr,
+                              HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
+                              BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    # One program = TOK query tokens x all GROUP query heads of one KV head, stacked as the
+    # BLOCK_M = TOK * GROUP_P rows of one Q tile (row r: token r // GROUP_P, head r % GROUP_P),
+    # so every K/V tile is loaded once for the whole group and all rows share one causal edge.
+    kvh = tl.program_id(0)
+    # the heaviest query blocks (most keys) start first: the causal tail wave is short
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    BLOCK_M: tl.constexpr = TOK * GROUP_P
+    r = tl.arange(0, BLOCK_M)
+    tok = pid_m * TOK + r // GROUP_P
+    head = kvh * GROUP + r % GROUP_P
+    row_mask = (tok < T) & (r % GROUP_P < GROUP)
+    pos = start_pos + tok
     cols = tl.arange(0, HDP)
-    q = _norm_rope_tile(qg_ptr, rows, row_mask, stride_qg, h * 2 * HD, pos, q_norm_w_ptr,
-                        inv_freq_ptr, eps, HD, HDP, ROT)
+    tab = tok.to(tl.int64)[:, None] * (ROT // 2) + (cols % (ROT // 2))[None, :]
+    tab_mask = row_mask[:, None] & (cols < ROT)[None, :]
+    cos = tl.load(cos_ptr + tab, mask=tab_mask, other=0.0)
+    sin = tl.load(sin_ptr + tab, mask=tab_mask, other=0.0)
+    q_off = tok.to(tl.int64) * stride_qg + head * (2 * HD)
+    q = _norm_rope_tile(qg_ptr, q_off, row_mask, cos, sin, q_norm_w_ptr, eps, HD, HDP, ROT)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -129,12 +165,13 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v
     kv_base = kvh.to(tl.int64) * max_ctx
     kv_len = start_pos + T
     # keys before the block's first position are visible to every row: no mask needed
-    first_pos = start_pos + pid_m * BLOCK_M
+    first_pos = start_pos + pid_m * TOK
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
                                       kv_len, pos, qk_scale, HD, HDP, BLOCK_N, False, DOT_PREC)
-    diag_end = tl.minimum(first_pos + BLOCK_M, kv_len)
+    # the diagonal: blocks holding the group's own positions (keys past them are skipped)
+    diag_end = tl.minimum(first_pos + TOK, kv_len)
     for n0 in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
                                       kv_len, pos, qk_scale, HD, HDP, BLOCK_N, True, DOT_PREC)
@@ -143,10 +180,9 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v
     dtype = out_ptr.dtype.element_ty
     o = (acc / l_i[:, None]).to(dtype).to(tl.float32)
     m = row_mask[:, None] & (cols < HD)[None, :]
-    gate = tl.load(qg_ptr + rows.to(tl.int64)[:, None] * stride_qg + h * 2 * HD + HD + cols[None, :],
-                   mask=m, other=0.0).to(tl.float32)
+    gate = tl.load(qg_ptr + (q_off + HD)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     y = o * tl.sigmoid(gate).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + h * HD + cols[None, :],
+    tl.store(out_ptr + (tok.to(tl.int64) * stride_o + head * HD)[:, None] + cols[None, :],
              y.to(dtype), mask=m)
 
 
@@ -157,19 +193,24 @@ def _inv_freq(rotary_dim: int, rope_theta: float, device: torch.device) -> torch
     return (1.0 / (rope_theta ** exps)).to(device)
 
 
-def _attention_config(T: int, head_dim_pad: int) -> dict:
-    """Static tiles: the fp32 accumulator is BLOCK_M x head_dim, so wide heads take a
-    shorter query tile; short prompts take a short query tile to keep more programs busy."""
+ATTN_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def attention_kernel_name(H: int, Hkv: int, hd: int) -> str:
+    return f"flash_attention_H{H}_KV{Hkv}_D{hd}"
+
+
+def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
+    """Static tiles. BLOCK_M counts the stacked rows (query tokens x the padded head group).
+    The fp32 accumulator is BLOCK_M x head_dim: a 256-wide head takes 64 rows and 32-key
+    tiles, which the sm_90 compile keeps within 255 registers without spills; short prompts
+    take a short tile so the (few) tokens are not mostly padding."""
     if head_dim_pad >= 256:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-    if T <= 16:
-        cfg["BLOCK_M"] = 16
-    elif T <= 32:
-        cfg["BLOCK_M"] = 32
-    elif T <= 64:
-        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    rows = max(16, triton.next_power_of_2(T) * group_pad)
+    cfg["BLOCK_M"] = max(min(cfg["BLOCK_M"], rows), group_pad)
     return cfg
 
 
@@ -186,12 +227,15 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
                       out: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                      rotary_dim: int, rope_theta: float, eps: float) -> torch.Tensor:
+                      rotary_dim: int, rope_theta: float, eps: float,
+                      config: Optional[dict] = None) -> torch.Tensor:
     """Gated attention for T new tokens at positions start_pos.. (see module docstring).
 
     qg [T, H*2*hd] (per-head [query | gate]), k, v [T, Hkv*hd] (rows may be strided views),
     q_norm_w, k_norm_w [hd], k_cache, v_cache [Hkv, max_ctx, hd] contiguous (written at the new
-    positions), out [T, H*hd] (allocated by the caller). Returns out.
+    positions), out [T, H*hd] (allocated by the caller). Returns out. `config` (ATTN_KEYS)
+    overrides the tile table of the attention pass (BLOCK_M = rows of the stacked Q tile =
+    query tokens x next_power_of_2(H / Hkv)): the tuner sweeps through it.
     """
     H, Hkv, hd = num_heads, num_kv_heads, head_dim
     if min(H, Hkv, hd) <= 0 or H % Hkv:
@@ -226,19 +270,33 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
 
     hdp = max(16, triton.next_power_of_2(hd))
+    group = H // Hkv
+    group_p = triton.next_power_of_2(group)
     inv_freq = _inv_freq(rotary_dim, float(rope_theta), qg.device)
+    # cos/sin of the new positions, rounded to the dtype: written by the K/V pass, read by the
+    # query pass (one table for every head)
+    cos_tab = torch.empty(T, rotary_dim // 2, dtype=dt, device=qg.device)
+    sin_tab = torch.empty_like(cos_tab)
     # the norm + rope tile keeps ~6 fp32 copies of [BLOCK_T, head_dim] live: 16 x 256 fits
     block_t = min(max(16, 4096 // hdp), max(16, triton.next_power_of_2(T)))
     _kv_cache_write_kernel[(triton.cdiv(T, block_t), Hkv)](
-        k, v, k_norm_w, inv_freq, k_cache, v_cache, T, start_pos, max_ctx,
+        k, v, k_norm_w, inv_freq, k_cache, v_cache, cos_tab, sin_tab, T, start_pos, max_ctx,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
         num_warps=4)
-    cfg = _attention_config(T, hdp)
+    if config is not None:
+        cfg = dict(config)
+    else:
+        cfg = (tuned_config(attention_kernel_name(H, Hkv, hd), T, ATTN_KEYS)
+               or _attention_config(T, hdp, group_p))
+    block_m = cfg["BLOCK_M"]
+    if block_m < 16 or block_m & (block_m - 1) or block_m < group_p:
+        raise ValueError(f"BLOCK_M must be a power of two >= max(16, {group_p}), got {block_m}")
+    tok = block_m // group_p                  # query tokens per program
     qk_scale = hd ** -0.5 * _LOG2E                        # softmax in the exp2 domain
-    _attention_prefill_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), H)](
-        qg, q_norm_w, inv_freq, k_cache, v_cache, out, T, start_pos, max_ctx,
+    _attention_prefill_kernel[(Hkv, triton.cdiv(T, tok))](
+        qg, q_norm_w, cos_tab, sin_tab, k_cache, v_cache, out, T, start_pos, max_ctx,
         qg.stride(0), out.stride(0), qk_scale, eps,
-        GROUP=H // Hkv, HD=hd, HDP=hdp, ROT=rotary_dim,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(dt),
+        GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,
+        BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(dt),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -25,11 +25,13 @@ come from the caller.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import dot_precision
+from .gemm import dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
@@ -37,6 +39,23 @@ L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 # Forward substitution works on diagonal blocks of this many rows (tl.dot's minimum tile).
 SUB_BLOCK = 16
+# launch knobs: V-tile of the sequential state pass and the warps/stages of the three launches
+GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps")
+
+
+def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
+    return f"gdn_chunk_H{hv}_K{dk}_V{dv}"
+
+
+def _gdn_default_config(dkp: int, dvp: int) -> dict:
+    """Built-in launch table. The state pass is the only sequential loop (over T / chunk
+    chunks), so it is spread over heads x V-tiles: BV = 16 (tl.dot's minimum N) gives
+    16 heads x 8 tiles = 128 programs for the 0.8B, one per SM of an H200, each carrying a
+    [dk, 16] slice of its head's state; the chunk loads of W / U / decayed K do not depend
+    on the state, so two stages prefetch the next chunk under the current one's dots."""
+    big = max(dkp, dvp) >= 128
+    return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
+                out_warps=8 if big else 4)
 
 
 @triton.jit
@@ -213,14 +232,16 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
 def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                 norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
-                head_k_dim: int, head_v_dim: int, eps: float, chunk: int = 64) -> torch.Tensor:
+                head_k_dim: int, head_v_dim: int, eps: float, chunk: int = 64,
+                config: Optional[dict] = None) -> torch.Tensor:
     """GDN core + gated RMSNorm for T prompt tokens, continuing from `state` (updated in place).
 
     qkv_conv [T, 2*Hk*dk + Hv*dv] (conv+SiLU output, [q | k | v]), z [T, Hv*dv], b, a [T, Hv]
     (rows may be strided views), A_log [Hv], dt_bias [Hv], norm_w [dv], state fp32
     [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller). Value head h uses key
     head h // (Hv // Hk). Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the
-    activation dtype is allocated per call. Returns out.
+    activation dtype is allocated per call. Returns out. `config` (GDN_KEYS) overrides the
+    launch table: the tuner sweeps through it.
     """
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if min(hk, hv, dk, dv) <= 0 or hv % hk:
@@ -260,21 +281,26 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     vn_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
 
-    wide = max(dkp, dvp) >= 128
+    if config is not None:
+        cfg = dict(config)
+    else:
+        cfg = tuned_config(gdn_kernel_name(hv, dk, dv), T, GDN_KEYS) or _gdn_default_config(dkp, dvp)
+    bv = min(cfg["BV"], dvp)
+    if bv < 16 or dvp % bv:
+        raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
     prec = dot_precision(act)
     _gdn_chunk_prepare_kernel[(nt, hv)](
         qkv_conv, b, a, A_log, dt_bias, gam, w_buf, u_buf, kd_buf,
         T, t_pad, qkv_conv.stride(0), b.stride(0), a.stride(0),
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BC=SUB_BLOCK,
-        DOT_PREC=prec, num_warps=8 if wide else 4)
-    # Sequential over chunks, so spread heads x V-tiles as wide as tl.dot allows (N >= 16).
-    bv = min(32, dvp)
+        DOT_PREC=prec, num_warps=cfg["prep_warps"])
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
-        DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec, num_warps=4, num_stages=2)
+        DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
+        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     _gdn_chunk_output_kernel[(nt, hv)](
         qkv_conv, z, gam, vn_buf, h_buf, norm_w, out,
         T, t_pad, nt, qkv_conv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
-        num_warps=8 if wide else 4)
+        num_warps=cfg["out_warps"])
     return out

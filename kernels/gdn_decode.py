@@ -247,8 +247,8 @@ def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) 
     """Default BLOCK_V: about target_programs programs, tiles of 16..next_pow2(dv) columns
     (decode_tuning.json overrides it)."""
     full = triton.next_power_of_2(int(head_v_dim))
-    want = triton.next_power_of_2(max(1, triton.cdiv(target_programs, int(num_v_heads))))
-    return max(min(16, full), min(full, full // want if want <= full else 1))
+    tiles = triton.next_power_of_2(max(1, triton.cdiv(target_programs, int(num_v_heads))))
+    return min(full, max(16, full // tiles))
 
 
 def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int]:

@@ -118,6 +118,22 @@ def test_attention_strided_views_of_projections():
     assert torch.all(out_buf[:, :2] == 0) and torch.all(out_buf[:, 2 + H * hd:] == 0)
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=1),
+    dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2),
+])
+def test_attention_explicit_config(cfg):
+    """The tuner's override path: query/key tiles of other sizes, history + causal diagonal."""
+    T, start_pos = 45, 20
+    inputs = _inputs(T, SMALL, torch.float32, 3, start_pos, start_pos + T + 2)
+    qg, k, v, qw, kw, k_cache, v_cache = inputs
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = torch.empty(T, 4 * 48, device=DEVICE)
+    attention_prefill(qg, k, v, qw, kw, kc, vc, start_pos, out, config=cfg, **SMALL)
+    ref, _, _ = _run(attention_prefill_ref, inputs, start_pos, SMALL)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_matches_transformers():
     """The reference against HF's own Qwen3_5Attention (eager, fp32), positions 0..T-1."""
     mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

@@ -36,25 +36,25 @@ def test_prefill_kernels_fit_ttft_budget():
     conv_dim = 2 * key_dim + value_dim
     u = torch.randn(T, D, device="cuda", dtype=bf)
     h = torch.randn(T, D, device="cuda", dtype=bf)
-    # GDN layer (projections merged at load time: qkv|z and b|a)
-    w_qkvz, w_ba, w_out = _w(conv_dim + value_dim, D), _w(2 * HV, D), _w(D, value_dim)
+    # GDN layer (projections merged at load time, as the engine does: qkv|z|b|a)
+    w_qkvz, w_out = _w(conv_dim + value_dim + 2 * HV, D), _w(D, value_dim)
     conv_w = (torch.randn(conv_dim, 4, device="cuda") * 0.5).to(bf)
     conv_state = torch.zeros(conv_dim, 3, device="cuda", dtype=bf)
     A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
     dt_bias = torch.randn(HV, device="cuda").to(bf)
     norm_w = torch.ones(DV, device="cuda")
     state = torch.zeros(HV, DK, DV, device="cuda")
-    qkvz = torch.empty(T, conv_dim + value_dim, device="cuda", dtype=bf)
-    ba = torch.empty(T, 2 * HV, device="cuda", dtype=bf)
+    qkvz = torch.randn(T, conv_dim + value_dim + 2 * HV, device="cuda", dtype=bf)
+    ba = qkvz[:, conv_dim + value_dim:]
     qkv_conv = torch.empty(T, conv_dim, device="cuda", dtype=bf)
     core = torch.empty(T, value_dim, device="cuda", dtype=bf)
     # attention layer
-    w_q, w_kv, w_o = _w(H * 2 * HD, D), _w(2 * HKV * HD, D), _w(D, H * HD)
+    w_qkv, w_o = _w(H * 2 * HD + 2 * HKV * HD, D), _w(D, H * HD)
     qn, kn = torch.zeros(HD, device="cuda", dtype=bf), torch.zeros(HD, device="cuda", dtype=bf)
     k_cache = torch.zeros(HKV, T, HD, device="cuda", dtype=bf)
     v_cache = torch.zeros(HKV, T, HD, device="cuda", dtype=bf)
-    qg = torch.empty(T, H * 2 * HD, device="cuda", dtype=bf)
-    kv = torch.empty(T, 2 * HKV * HD, device="cuda", dtype=bf)
+    qkv = torch.randn(T, H * 2 * HD + 2 * HKV * HD, device="cuda", dtype=bf)
+    qg, kv = qkv[:, :H * 2 * HD], qkv[:, H * 2 * HD:]
     attn = torch.empty(T, H * HD, device="cuda", dtype=bf)
     # MLP
     w_gu, w_down = _w(2 * I, D), _w(D, I)
@@ -62,18 +62,16 @@ def test_prefill_kernels_fit_ttft_budget():
 
     def gdn_core():
         state.zero_()
-        gdn_prefill(qkv_conv, qkvz[:, conv_dim:], ba[:, :HV], ba[:, HV:], A_log, dt_bias, state,
+        gdn_prefill(qkv_conv, qkvz[:, conv_dim:conv_dim + value_dim], ba[:, :HV], ba[:, HV:], A_log, dt_bias, state,
                     norm_w, core, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
                     eps=1e-6)
 
     steps = [  # name, layers it runs in, flops, fn
-        ("gdn qkvz gemm", N_GDN, 2 * T * D * (conv_dim + value_dim), lambda: gemm(u, w_qkvz, qkvz)),
-        ("gdn ba gemm", N_GDN, 2 * T * D * 2 * HV, lambda: gemm(u, w_ba, ba)),
+        ("gdn qkvzba gemm", N_GDN, 2 * T * D * (conv_dim + value_dim + 2 * HV), lambda: gemm(u, w_qkvz, qkvz)),
         ("gdn conv1d", N_GDN, 0, lambda: causal_conv1d(qkvz[:, :conv_dim], conv_w, conv_state, qkv_conv)),
         ("gdn chunk", N_GDN, 0, gdn_core),
         ("gdn out gemm+res", N_GDN, 2 * T * value_dim * D, lambda: gemm(core, w_out, h, residual=h)),
-        ("attn q gemm", N_ATTN, 2 * T * D * H * 2 * HD, lambda: gemm(u, w_q, qg)),
-        ("attn kv gemm", N_ATTN, 2 * T * D * 2 * HKV * HD, lambda: gemm(u, w_kv, kv)),
+        ("attn qkv gemm", N_ATTN, 2 * T * D * (H * 2 * HD + 2 * HKV * HD), lambda: gemm(u, w_qkv, qkv)),
         ("attn flash", N_ATTN, 4 * H * HD * T * T // 2,
          lambda: attention_prefill(qg, kv[:, :HKV * HD], kv[:, HKV * HD:], qn, kn, k_cache, v_cache, 0,
                                    attn, num_heads=H, num_kv_heads=HKV, head_dim=HD, rotary_dim=64,

@@ -103,6 +103,23 @@ def test_conv_rejects_bad_arguments():
         causal_conv1d(x, w, state, x)                      # in place would race across blocks
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_T=4, BLOCK_C=16, ROW_TILES=3, num_warps=1),      # several row tiles per program
+    dict(BLOCK_T=2, BLOCK_C=32, ROW_TILES=2, num_warps=2),      # tile 0 shorter than Kc-1: widened
+    dict(BLOCK_T=64, BLOCK_C=64, ROW_TILES=1, num_warps=4),
+])
+@pytest.mark.parametrize("T", [1, 2, 5, 13, 40])
+def test_conv_explicit_configs(cfg, T):
+    """The tuner's override path: row tiles, a last program with a partial run of tiles."""
+    x, w, state = _data(T, 40, 4, torch.float32, seed=T)
+    st = state.clone()
+    out = torch.full_like(x, float("nan"))
+    causal_conv1d(x, w, st, out, config=cfg)
+    ref, st_ref = _run(causal_conv1d_ref, x, w, state)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st, st_ref, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_conv_true_shape_bf16():
     T, C, kc = 2048, 6144, 4

@@ -88,6 +88,14 @@ def test_gdn_smaller_chunks(chunk):
     _assert_close(st, st64, torch.float32)
 
 
+@pytest.mark.parametrize("bv", [16, 32, 64])
+def test_gdn_state_pass_v_tiles(bv):
+    """The tuner's override path: the sequential state pass split into dv / BV programs."""
+    inputs = _inputs(70, SMALL, torch.float32, seed=30 + bv)
+    cfg = dict(BV=bv, prep_warps=4, state_warps=4, state_stages=2, out_warps=4)
+    _check(inputs, SMALL, torch.float32, config=cfg)
+
+
 def test_gdn_power_of_two_heads_ungrouped():
     """The model's own layout (Hk = Hv, dk = dv = 128) at a small head count."""
     dims = dict(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128)

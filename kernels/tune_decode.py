@@ -1,0 +1,389 @@
+"""Sweep the fused decode kernels (v2) on the GPU and write decode_tuning.json.
+
+    python -m tritonchat.kernels.tune_decode --out kernels/decode_tuning.json [--quick]
+    python -m tritonchat.kernels.tune_decode --bench [--table kernels/decode_tuning.json]
+
+The sweep times every fused GEMV of the 0.8B decode step at its true shape and epilogue over
+(block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode_core, each
+config replayed in a CUDA graph (`do_bench_cudagraph`: the engine replays the step in a graph,
+so host launch cost must not count). The launchers read the winners by key (gemv.fused_plan,
+gdn_decode._core_plan, sampling.lm_head_plan) and fall back to heuristics for missing keys.
+--quick (< 4 minutes, compiles included) sweeps a narrower grid.
+
+--bench prints µs and GB/s of every fused kernel at the true shapes with the plans the
+launchers pick now, then captures a whole synthetic decode step (24 layers with their own
+random weights, the fused call sequence, the LM head with greedy argmax) into one CUDA graph
+and reports ms/token, tok/s and the fraction of the measured HBM read roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+from . import gemv as G
+from .gdn_decode import gdn_decode_core
+from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
+
+# the 0.8B text model (docs/qwen35-text-model.md section 1)
+D, I, V = 1024, 3584, 248320
+HK, HV, DK, DV, KW = 16, 16, 128, 128, 4
+H, KV, HD, ROT = 8, 2, 256, 64
+CONV_DIM = 2 * HK * DK + HV * DV                    # 6144
+N_PROJ = CONV_DIM + HV * DV + 2 * HV                # 8224
+N_QKV = 2 * H * HD + 2 * KV * HD                    # 5120
+LAYER_TYPES = ["gdn", "gdn", "gdn", "attn"] * 6
+EPS = 1e-6
+DT = torch.bfloat16
+
+# (key, n_out, k, prologue, epilogue, what)
+GEMVS = [
+    (G.fused_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
+     "GDN in_proj qkv|z|b|a + input norm + causal conv"),
+    (G.fused_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
+     "attention q|k|v + input norm"),
+    (G.fused_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
+     "MLP gate|up + post norm + SiLU*mul"),
+    (G.fused_key(D, HV * DV, "gated", "residual"), D, HV * DV, "gated", "residual",
+     "GDN out_proj + gated norm + residual"),
+    (G.fused_key(D, H * HD, "none", "residual"), D, H * HD, "none", "residual",
+     "attention o_proj + residual"),
+    (G.fused_key(D, I, "none", "residual"), D, I, "none", "residual",
+     "MLP down + residual"),
+]
+LM_KEY = f"lm_head:{V}x{D}:rms"
+CORE_KEY = f"gdn_core:{HV}x{DK}x{DV}"
+
+
+def _bench_us(fn, rep: int = 20) -> float:
+    """Median µs of fn replayed in a CUDA graph (falls back to stream timing)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
+    except Exception:      # noqa: BLE001 - e.g. a kernel that cannot be captured
+        return triton.testing.do_bench(fn, warmup=5, rep=rep) * 1e3
+
+
+def _rand(*shape, scale=1.0, dtype=DT):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+class _Gemv:
+    """Buffers and a launch closure for one fused GEMV shape."""
+
+    def __init__(self, n_out, k, prologue, epilogue):
+        self.n_out, self.k, self.pro, self.epi = n_out, k, prologue, epilogue
+        n_rows = 2 * n_out if epilogue == "silu_mul" else n_out
+        self.W = _rand(n_rows, k, scale=k ** -0.5)
+        self.x = _rand(k)
+        self.kw = {}
+        if prologue == "rms":
+            self.kw.update(norm_w=_rand(k, scale=0.1), eps=EPS)
+        elif prologue == "gated":
+            self.kw.update(norm_w=1 + 0.1 * torch.randn(DV, device="cuda"),
+                           gate=_rand(k), head_dim=DV, eps=EPS)
+        self.out = torch.zeros(n_out, device="cuda", dtype=DT)
+        if epilogue == "residual":
+            self.kw["residual"] = self.out
+        elif epilogue == "silu_mul":
+            self.kw["silu_mul"] = True
+        elif epilogue == "conv":
+            self.kw.update(conv_state=_rand(CONV_DIM, KW - 1), conv_w=_rand(CONV_DIM, KW, scale=0.5))
+        self.partials = torch.zeros(64 * n_rows, device="cuda")
+        self.counters = torch.zeros(n_rows, device="cuda", dtype=torch.int32)
+        self.nbytes = self.W.numel() * 2 + k * 2 + n_out * 2 * (2 if epilogue == "residual" else 1)
+
+    def fn(self, p=None):
+        p = p or {}
+        return lambda: G.gemv_fused(self.x, self.W, self.out, partials=self.partials,
+                                    counters=self.counters, **p, **self.kw)
+
+
+def _gemv_grid(n_out, k, prologue, quick):
+    small = n_out <= 2048                        # the 1024-row outputs: grid short of the SMs
+    bks = [256, 512] if quick else [128, 256, 512, 1024]
+    if prologue == "gated":
+        bks = [64, 128] if quick else [32, 64, 128]
+    if quick:
+        bns = [2, 4, 8] if small else [4, 8, 16]
+    else:
+        bns = [1, 2, 4, 8, 16, 32]
+    warps = [4] if quick else [4, 8]
+    splits = ([1, 2, 4] if quick else [1, 2, 3, 4, 8]) if small else [1]
+    for bk in bks:
+        if bk > max(128, triton.next_power_of_2(k)):
+            continue
+        for bn in bns:
+            if not 512 <= bn * bk <= 8192:
+                continue
+            for nw in warps:
+                for s in splits:
+                    yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=s)
+
+
+def tune_gemvs(quick: bool, log, deadline: float) -> list[dict]:
+    """Best config per fused GEMV; past `deadline` (time.time()) each shape keeps the best of
+    the configs already timed (the heuristic plan first, so there is always one)."""
+    entries = []
+    for key, n_out, k, pro, epi, what in GEMVS:
+        g = _Gemv(n_out, k, pro, epi)
+        best = None
+        t0 = time.time()
+        first = G.fused_heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
+                                       epi == "silu_mul")
+        for p in [first, *_gemv_grid(n_out, k, pro, quick)]:
+            if best is not None and time.time() > deadline:
+                log(f"  {key}: time budget reached, keeping the best so far")
+                break
+            try:
+                us = _bench_us(g.fn(p), rep=10 if quick else 25)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                log(f"  skip {p}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, p)
+        if best is None:
+            log(f"{key}: no config ran")
+            continue
+        us, p = best
+        entries.append(dict(key=key, **p, us=round(us, 2),
+                            gb_s=round(g.nbytes / (us * 1e-6) / 1e9, 1), what=what))
+        log(f"{key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  "
+            f"({time.time() - t0:.0f} s)")
+        del g
+    return entries
+
+
+def _lm_head_setup():
+    E = _rand(V, D, scale=0.05)
+    h, nw = _rand(D), _rand(D, scale=0.1)
+    logits = torch.empty(V, device="cuda")
+    tok = torch.empty(1, device="cuda", dtype=torch.int64)
+    part = torch.empty(V, device="cuda", dtype=torch.int64)
+    return E, h, nw, logits, tok, part
+
+
+def tune_lm_head(quick: bool, log) -> list[dict]:
+    E, h, nw, logits, tok, part = _lm_head_setup()
+    best = None
+    grid = [(bn, bk, w) for bk in ([512] if quick else [256, 512, 1024])
+            for bn in ([4, 8, 16] if quick else [2, 4, 8, 16, 32])
+            for w in ([4, 8] if quick else [4, 8])]
+    for bn, bk, w in grid:
+        if bn * bk > 16384:
+            continue
+        fn = lambda: lm_head_argmax(h, E, V, logits, tok, part, norm_w=nw, eps=EPS,  # noqa: E731
+                                    block_n=bn, block_k=bk, num_warps=w)
+        try:
+            us = _bench_us(fn, rep=20)
+        except Exception as e:  # noqa: BLE001
+            log(f"  skip lm_head {bn}x{bk}/{w}: {type(e).__name__}")
+            continue
+        if best is None or us < best[0]:
+            best = (us, dict(block_n=bn, block_k=bk, num_warps=w))
+    us, p = best
+    nbytes = E.numel() * 2
+    log(f"{LM_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}")
+    return [dict(key=LM_KEY, **p, us=round(us, 2), gb_s=round(nbytes / (us * 1e-6) / 1e9, 1),
+                 what="LM head (tied embedding) + final norm + greedy argmax")]
+
+
+def _core_setup():
+    proj = _rand(N_PROJ)
+    A_log = torch.randn(HV, device="cuda") * 0.5
+    dt_bias = _rand(HV)
+    state = torch.randn(HV, DK, DV, device="cuda") * 0.01
+    o = torch.empty(HV * DV, device="cuda", dtype=DT)
+    return proj, A_log, dt_bias, state, o
+
+
+def tune_core(quick: bool, log) -> list[dict]:
+    proj, A_log, dt_bias, state, o = _core_setup()
+    best = None
+    for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64]):
+        for w in ([2, 4] if quick else [1, 2, 4, 8]):
+            fn = lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,  # noqa
+                                         num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
+                                         block_v=bv, num_warps=w)
+            try:
+                us = _bench_us(fn, rep=10)
+            except Exception as e:  # noqa: BLE001
+                log(f"  skip gdn_core {bv}/{w}: {type(e).__name__}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, dict(block_v=bv, num_warps=w))
+    us, p = best
+    nbytes = state.numel() * 4 * 2
+    log(f"{CORE_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}")
+    return [dict(key=CORE_KEY, **p, us=round(us, 2), gb_s=round(nbytes / (us * 1e-6) / 1e9, 1),
+                 what="GDN recurrence (state read + write)")]
+
+
+def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
+    """Measured HBM read bandwidth: one pass over a weights-sized buffer (torch sum)."""
+    buf = torch.ones(nbytes // 2, device="cuda", dtype=DT)
+    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=3, rep=30)
+    del buf
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# ------------------------------------------------------------------------------------------
+# --bench
+# ------------------------------------------------------------------------------------------
+
+def bench_kernels(log) -> None:
+    log("per-kernel, plans as the launchers pick them now:")
+    for key, n_out, k, pro, epi, what in GEMVS:
+        g = _Gemv(n_out, k, pro, epi)
+        us = _bench_us(g.fn(), rep=50)
+        p = G.fused_plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
+        log(f"  {key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  {what}")
+        del g
+    proj, A_log, dt_bias, state, o = _core_setup()
+    us = _bench_us(lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,
+                                           num_v_heads=HV, head_k_dim=DK, head_v_dim=DV), rep=50)
+    log(f"  {CORE_KEY:38s} {us:8.2f} us {state.numel() * 8 / (us * 1e-6) / 1e9:7.0f} GB/s")
+    E, h, nw, logits, tok, part = _lm_head_setup()
+    us = _bench_us(lambda: lm_head_argmax(h, E, V, logits, tok, part, norm_w=nw, eps=EPS), rep=50)
+    log(f"  {LM_KEY:38s} {us:8.2f} us {E.numel() * 2 / (us * 1e-6) / 1e9:7.0f} GB/s  "
+        f"{lm_head_plan(V, D, True)}")
+    del E
+
+
+def bench_step(log, context: int = 256) -> int:
+    """A whole synthetic decode step (fused sequence, 24 layers, own weights) in one graph;
+    returns the weight bytes one step streams."""
+    from .attention_decode import attention_decode, partials_numel, plan_num_splits
+    torch.manual_seed(0)
+    layers = []
+    for kind in LAYER_TYPES:
+        L = dict(kind=kind, in_norm=_rand(D, scale=0.1), post_norm=_rand(D, scale=0.1),
+                 gate_up=_rand(2 * I, D, scale=D ** -0.5), down=_rand(D, I, scale=I ** -0.5))
+        if kind == "gdn":
+            L.update(qkvzba=_rand(N_PROJ, D, scale=D ** -0.5),
+                     conv_w=_rand(CONV_DIM, KW, scale=0.5), A_log=torch.randn(HV, device="cuda"),
+                     dt_bias=_rand(HV), norm_w=1 + 0.1 * torch.randn(DV, device="cuda"),
+                     out_proj=_rand(D, HV * DV, scale=(HV * DV) ** -0.5),
+                     conv_state=torch.zeros(CONV_DIM, KW - 1, device="cuda", dtype=DT),
+                     state=torch.zeros(HV, DK, DV, device="cuda"))
+        else:
+            L.update(qkv=_rand(N_QKV, D, scale=D ** -0.5), q_norm=_rand(HD, scale=0.1),
+                     k_norm=_rand(HD, scale=0.1), o_proj=_rand(D, H * HD, scale=(H * HD) ** -0.5),
+                     kc=_rand(KV, context + 8, HD), vc=_rand(KV, context + 8, HD))
+        layers.append(L)
+    E = _rand(V, D, scale=0.05)
+    final_norm = _rand(D, scale=0.1)
+    mats = ("gate_up", "down", "qkvzba", "out_proj", "qkv", "o_proj")
+    weight_bytes = E.numel() * 2 + sum(L[m].numel() * 2 for L in layers for m in mats if m in L)
+    h = _rand(D)
+    proj = torch.empty(N_PROJ, device="cuda", dtype=DT)
+    o = torch.empty(HV * DV, device="cuda", dtype=DT)
+    aproj = torch.empty(N_QKV, device="cuda", dtype=DT)
+    aout = torch.empty(H * HD, device="cuda", dtype=DT)
+    act = torch.empty(I, device="cuda", dtype=DT)
+    part = torch.zeros(64 * 2 * I, device="cuda")
+    cnt = torch.zeros(2 * N_PROJ, device="cuda", dtype=torch.int32)
+    splits = plan_num_splits(context + 8, KV)
+    apart = torch.zeros(partials_numel(H, HD, splits), device="cuda")
+    pos = torch.tensor([context], device="cuda", dtype=torch.int32)
+    lp = lm_head_plan(V, D, True)
+    logits = torch.empty(V, device="cuda")
+    tok = torch.empty(1, device="cuda", dtype=torch.int64)
+    lpart = torch.empty(lm_head_partials_numel(V, lp["block_n"]), device="cuda", dtype=torch.int64)
+    sc = dict(partials=part, counters=cnt)
+
+    def step():
+        for L in layers:
+            if L["kind"] == "gdn":
+                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvzba"], proj, conv_state=L["conv_state"],
+                               conv_w=L["conv_w"], **sc)
+                gdn_decode_core(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
+                                num_v_heads=HV, head_k_dim=DK, head_v_dim=DV)
+                G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"],
+                             gate=proj[CONV_DIM:CONV_DIM + HV * DV], head_dim=DV, eps=EPS,
+                             residual=h, **sc)
+            else:
+                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, **sc)
+                q_n, kv_n = 2 * H * HD, KV * HD
+                attention_decode(aproj[:q_n], aproj[q_n:q_n + kv_n], aproj[q_n + kv_n:],
+                                 L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart,
+                                 num_heads=H, num_kv_heads=KV, head_dim=HD, rotary_dim=ROT,
+                                 rope_theta=1e7, eps=EPS, num_splits=splits)
+                G.gemv_fused(aout, L["o_proj"], h, residual=h, **sc)
+            G.gemv_rmsnorm(h, L["post_norm"], EPS, L["gate_up"], act, silu_mul=True, **sc)
+            G.gemv_fused(act, L["down"], h, residual=h, **sc)
+        lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS)
+
+    for pdl in ([False, True] if torch.cuda.get_device_capability()[0] >= 9 else [False]):
+        G.USE_PDL = pdl
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        n = 50
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(n):
+            graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        ms = t0.elapsed_time(t1) / n
+        log(f"  step (graph, PDL {'on' if pdl else 'off'}, context {context}): {ms:.3f} ms/token = "
+            f"{1e3 / ms:.0f} tok/s; weights {weight_bytes / 1e9:.3f} GB -> "
+            f"{weight_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")
+        del graph
+    G.USE_PDL = False
+    return weight_bytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=G.DECODE_TABLE_PATH)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bench", action="store_true", help="time the fused kernels, no sweep")
+    ap.add_argument("--table", default=None, help="read this table instead of the packaged one")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop sweeping GEMVs after this many seconds (default: 170 with "
+                         "--quick, none otherwise)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.table:
+        G.DECODE_TABLE_PATH = args.table
+        G.decode_table.cache_clear()
+    t0 = time.time()
+    if args.bench:
+        bw = hbm_read_gb_s()
+        log(f"HBM read roofline: {bw:.0f} GB/s ({torch.cuda.get_device_name()})")
+        bench_kernels(log)
+        wb = bench_step(log)
+        log(f"roofline step (weights only): {wb / (bw * 1e9) * 1e3:.3f} ms = "
+            f"{bw * 1e9 / wb:.0f} tok/s  ({time.time() - t0:.0f} s)")
+        return 0
+    budget = args.budget_s if args.budget_s is not None else (170.0 if args.quick else 1e9)
+    entries = (tune_gemvs(args.quick, log, t0 + budget) + tune_core(args.quick, log)
+               + tune_lm_head(args.quick, log))
+    bw = hbm_read_gb_s()
+    data = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__,
+                torch=torch.__version__, quick=bool(args.quick),
+                hbm_read_gb_s=round(bw, 1), seconds=round(time.time() - t0, 1), entries=entries)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    log(f"wrote {args.out} ({len(entries)} entries, {time.time() - t0:.0f} s; HBM {bw:.0f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

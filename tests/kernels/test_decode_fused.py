@@ -1,0 +1,601 @@
+"""Fused decode kernels (v2) against the unfused reference sequence: the GEMV norm prologues
+(zero-centred RMSNorm, gated RMSNorm per head), the conv / SiLU*mul / residual epilogues, the
+in-kernel split-K reduce, the split GDN core, the LM head with the final norm fused, a whole GDN
+mixer step (fused path vs the old one), PDL staying off under the interpreter, and an offline
+sm_90 compile with PDL on."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tritonchat.kernels import gemv as gemv_mod
+from tritonchat.kernels.gdn_decode import gdn_decode_core
+from tritonchat.kernels.gemv import fused_scratch_numel, gemv_fused, gemv_rmsnorm
+from tritonchat.kernels.reference import (gdn_decode_core_ref, gdn_decode_ref, gemv_fused_ref,
+                                          gemv_ref, lm_head_argmax_ref, rms_norm_ref)
+from tritonchat.kernels.sampling import lm_head_argmax, lm_head_partials_numel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+# bf16 only on the GPU: the interpreter rounds fp32 -> bf16 toward zero where the reference
+# (and the GPU) round to nearest even, and the fused kernels round at several points.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype):
+    # fp32: summation-order noise. half: an fp32 value may round one ulp apart at a rounding
+    # point (norm output, conv, SiLU), which the GEMV then carries into the output.
+    return {torch.float32: dict(rtol=2e-5, atol=2e-5),
+            torch.float16: dict(rtol=4e-3, atol=4e-3),
+            torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}[dtype]
+
+
+def _scratch(n_out, split_k, block_n, silu_mul=False):
+    """NaN-filled partials (a stale read would show) and zeroed counters."""
+    n_p, n_c = fused_scratch_numel(n_out, dict(split_k=split_k, block_n=block_n), silu_mul)
+    return (torch.full((max(n_p, 1) + 3,), float("nan"), device=DEVICE),
+            torch.zeros(max(n_c, 1) + 3, device=DEVICE, dtype=torch.int32))
+
+
+def _vec(n, g, scale=1.0, dtype=torch.float32):
+    return (torch.randn(n, generator=g) * scale).to(DEVICE, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# GEMV with the zero-centred RMSNorm prologue
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("epilogue", ["plain", "residual_inplace", "silu_mul", "conv"])
+def test_gemv_rmsnorm_epilogues(epilogue, split_k, dtype):
+    # 74 rows (37 after SiLU*mul) x K = 200: neither is a multiple of the 8 x 32 tile; the
+    # conv epilogue covers 45 channels, so one row block holds conv and plain rows
+    g = torch.Generator().manual_seed(split_k * 10 + len(epilogue))
+    n_rows, K, block_n = 74, 200, 8
+    h = _vec(K, g, 3.0, dtype)
+    norm_w = _vec(K, g, 0.2, dtype)
+    W = _vec(n_rows * K, g, K ** -0.5, dtype).view(n_rows, K)
+    silu = epilogue == "silu_mul"
+    n_out = n_rows // 2 if silu else n_rows
+    kw = {}
+    ref_kw = {}
+    if epilogue == "residual_inplace":
+        res = _vec(n_out, g, 1.0, dtype)
+        out = res.clone()
+        kw, ref_kw = dict(residual=out), dict(residual=res)
+    else:
+        out = torch.full((n_out,), float("nan"), device=DEVICE, dtype=dtype)
+    if silu:
+        kw = ref_kw = dict(silu_mul=True)
+    if epilogue == "conv":
+        C, kwid = 45, 4
+        conv_w = _vec(C * kwid, g, 0.5, dtype).view(C, kwid)
+        conv_state = _vec(C * (kwid - 1), g, 1.0, dtype).view(C, kwid - 1)
+        ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
+        kw = dict(conv_state=conv_state, conv_w=conv_w.unsqueeze(1))    # nn.Conv1d layout too
+    want, want_state = gemv_fused_ref(h, W, norm_w=norm_w, eps=EPS, out_dtype=dtype, **ref_kw)
+    part, cnt = _scratch(n_out, split_k, block_n, silu)
+    gemv_rmsnorm(h, norm_w, EPS, W, out, split_k=split_k, partials=part, counters=cnt,
+                 block_n=block_n, block_k=32, num_warps=4, **kw)
+    torch.testing.assert_close(out, want, **_tol(dtype))
+    if epilogue == "conv":
+        # the state holds the projection outputs (rounded) of the conv rows
+        torch.testing.assert_close(conv_state, want_state, **_tol(dtype))
+        assert torch.equal(conv_state[:, :-1], ref_kw["conv_state"][:, 1:])
+    assert not cnt.any(), "split-K counters must be left at zero for the next launch"
+
+
+@pytest.mark.parametrize("n_rows,K,block_n,block_k,split_k", [
+    (1, 16, 1, 16, 1),         # a single row
+    (5, 17, 4, 16, 2),         # K one past the tile, two splits of uneven length
+    (64, 128, 16, 64, 2),      # exact tiling: the unmasked path
+    (33, 48, 32, 128, 1),      # tile wider than K
+    (130, 80, 64, 16, 4),      # many K steps, four splits
+    (24, 96, 8, 16, 8),        # split_k > K blocks / 2: splits of one tile
+])
+def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
+    g = torch.Generator().manual_seed(n_rows + K)
+    h = _vec(K, g)
+    norm_w = _vec(K, g, 0.2)
+    W = _vec(n_rows * K, g, K ** -0.5).view(n_rows, K)
+    for nw in (None, norm_w):
+        out = torch.full((n_rows,), float("nan"), device=DEVICE)
+        part, cnt = _scratch(n_rows, split_k, block_n)
+        gemv_fused(h, W, out, norm_w=nw, eps=EPS, split_k=split_k, partials=part, counters=cnt,
+                   block_n=block_n, block_k=block_k)
+        want, _ = gemv_fused_ref(h, W, norm_w=nw, eps=EPS)
+        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+        assert not cnt.any()
+
+
+def test_gemv_fused_split_k_reproducible_and_replayable():
+    # the same launch twice (as a graph replay would) gives bit-identical results, and a split
+    # count that differs only in summation order stays within fp32 noise
+    g = torch.Generator().manual_seed(3)
+    h, norm_w = _vec(300, g), _vec(300, g, 0.2)
+    W = _vec(70 * 300, g, 300 ** -0.5).view(70, 300)
+    part, cnt = _scratch(70, 4, 8)
+    outs = []
+    for _ in range(2):
+        out = torch.empty(70, device=DEVICE)
+        gemv_fused(h, W, out, norm_w=norm_w, split_k=4, partials=part, counters=cnt,
+                   block_n=8, block_k=32)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    one = torch.empty(70, device=DEVICE)
+    gemv_fused(h, W, one, norm_w=norm_w, split_k=1, block_n=8, block_k=32)
+    torch.testing.assert_close(outs[0], one, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# GEMV with the gated-RMSNorm prologue (GDN out_proj), residual epilogue
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dv,block_k,split_k", [
+    (4, 40, 32, 1),        # non-power-of-two head: a masked second tile per head
+    (4, 40, 16, 3),        # three tiles per head; 3 splits over 4 heads -> 2 splits of 2
+    (3, 24, 32, 2),        # block_k wider than the head
+    (4, 32, 32, 4),        # exact tiles, one head per split
+    (2, 128, 64, 1),       # the 0.8B head size
+])
+def test_gemv_gated_norm_residual(heads, dv, block_k, split_k, dtype):
+    g = torch.Generator().manual_seed(heads * dv + split_k)
+    K, n_out, block_n = heads * dv, 37, 8
+    o = _vec(K, g, 2.0, dtype)
+    z = _vec(K, g, 2.0, dtype)
+    norm_w = (1 + 0.1 * torch.randn(dv, generator=g)).to(DEVICE)          # fp32, as stored
+    W = _vec(n_out * K, g, K ** -0.5, dtype).view(n_out, K)
+    res = _vec(n_out, g, 1.0, dtype)
+    h = res.clone()
+    part, cnt = _scratch(n_out, split_k, block_n)
+    gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h,
+               split_k=split_k, partials=part, counters=cnt, block_n=block_n, block_k=block_k)
+    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
+    torch.testing.assert_close(h, want, **_tol(dtype))
+    assert not cnt.any()
+
+
+# ------------------------------------------------------------------------------------------
+# GDN core (recurrence only, split over value tiles)
+# ------------------------------------------------------------------------------------------
+
+# (num_k_heads, num_v_heads, head_k_dim, head_v_dim)
+CORE_CONFIGS = [
+    (2, 4, 24, 40),     # Hv = 2 Hk, dk != dv, neither a power of two
+    (1, 4, 16, 8),      # Hv = 4 Hk, dv < dk
+    (3, 3, 16, 16),     # no grouping, odd head count
+    (2, 2, 32, 32),     # power-of-two heads: unmasked tiles
+]
+
+
+def _proj(hk, hv, dk, dv, dtype, g, step):
+    """A fused in_proj output [conv out | z | b | a] with softplus tails exercised."""
+    conv_dim = 2 * hk * dk + hv * dv
+    x = torch.randn(conv_dim + hv * dv, generator=g)
+    ba = torch.randn(2 * hv, generator=g) * 2
+    ba[hv + step % hv] = 25.0 if step % 2 == 0 else -25.0
+    return torch.cat([x, ba]).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_v", [None, 8, 16])
+@pytest.mark.parametrize("cfg", CORE_CONFIGS, ids=lambda c: "hk{}hv{}dk{}dv{}".format(*c))
+def test_gdn_decode_core_steps(cfg, block_v, dtype):
+    hk, hv, dk, dv = cfg
+    g = torch.Generator().manual_seed(hk * 100 + dv)
+    A_log = (torch.randn(hv, generator=g) * 0.5).to(DEVICE)
+    dt_bias = torch.randn(hv, generator=g).to(DEVICE, dtype)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    for step in range(2):
+        proj = _proj(hk, hv, dk, dv, dtype, g, step)
+        want_o, want_state = gdn_decode_core_ref(proj, A_log, dt_bias, state, **kw)
+        o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
+        gdn_decode_core(proj, A_log, dt_bias, state, o, block_v=block_v, **kw)
+        torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(o, want_o, **_tol(dtype))
+        state.copy_(want_state)
+
+
+def test_gdn_decode_core_validates():
+    hk, hv, dk, dv = 2, 4, 8, 8
+    proj = torch.zeros(2 * hk * dk + 2 * hv * dv + 2 * hv, device=DEVICE)
+    state = torch.zeros(hv, dk, dv, device=DEVICE)
+    A, dt = torch.zeros(hv, device=DEVICE), torch.zeros(hv, device=DEVICE)
+    o = torch.empty(hv * dv, device=DEVICE)
+    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    with pytest.raises(ValueError):
+        gdn_decode_core(proj[:-1], A, dt, state, o, **kw)
+    with pytest.raises(ValueError):
+        gdn_decode_core(proj, A, dt, state.half(), o, **kw)
+    with pytest.raises(ValueError):
+        gdn_decode_core(proj, A, dt, state, o, **{**kw, "num_v_heads": 3})
+    with pytest.raises(ValueError):
+        gdn_decode_core(proj, A, dt, state, o, block_v=12, **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# a whole GDN mixer step: fused path == the unfused path the engine ran before
+# ------------------------------------------------------------------------------------------
+
+def _gdn_layer(hk, hv, dk, dv, kwid, D, dtype, g):
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    return dict(
+        input_norm=_vec(D, g, 0.2, dtype),
+        qkvzba=_vec(n_proj * D, g, D ** -0.5, dtype).view(n_proj, D),
+        conv_w=_vec(conv_dim * kwid, g, 0.5, dtype).view(conv_dim, kwid),
+        A_log=(torch.randn(hv, generator=g) * 0.5).to(DEVICE),
+        dt_bias=_vec(hv, g, 1.0, dtype),
+        norm_w=(1 + 0.1 * torch.randn(dv, generator=g)).to(DEVICE),
+        out_proj=_vec(D * hv * dv, g, (hv * dv) ** -0.5, dtype).view(D, hv * dv))
+
+
+def _unfused_gdn_step(L, h, conv_state, state, dims, dtype):
+    """rms_norm -> in_proj GEMV -> gdn_decode (conv, core, gated norm) -> out_proj + residual."""
+    hk, hv, dk, dv = dims
+    x = rms_norm_ref(h, L["input_norm"], EPS)
+    proj = gemv_ref(x, L["qkvzba"], out_dtype=dtype)
+    n_qkvz = 2 * hk * dk + 2 * hv * dv
+    y, conv_state, state = gdn_decode_ref(
+        proj[:n_qkvz], proj[n_qkvz:], conv_state, L["conv_w"], L["A_log"], L["dt_bias"], state,
+        L["norm_w"], num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, eps=EPS)
+    return gemv_ref(y, L["out_proj"], residual=h, out_dtype=dtype), conv_state, state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims,split_k", [((2, 4, 24, 40), 1), ((2, 2, 32, 32), 2)])
+def test_gdn_mixer_fused_path_matches_unfused(dims, split_k, dtype):
+    hk, hv, dk, dv = dims
+    D, kwid = 96, 4
+    g = torch.Generator().manual_seed(11)
+    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dtype, g)
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    conv_state = _vec(conv_dim * (kwid - 1), g, 1.0, dtype).view(conv_dim, kwid - 1)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    ref_conv, ref_state = conv_state.clone(), state.clone()
+    h = _vec(D, g, 2.0, dtype)
+    proj = torch.empty(n_proj, device=DEVICE, dtype=dtype)
+    o = torch.empty(hv * dv, device=DEVICE, dtype=dtype)
+    part, cnt = _scratch(max(n_proj, D), split_k, 8)
+    for step in range(2):
+        want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state, dims, dtype)
+        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], proj, conv_state=conv_state,
+                     conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt,
+                     block_n=8, block_k=32)
+        gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=proj[conv_dim:conv_dim + hv * dv],
+                   head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
+                   counters=cnt, block_n=8, block_k=min(32, dv))
+        # the state holds the projection outputs: equal up to the GEMV's summation order
+        torch.testing.assert_close(conv_state, ref_conv, **_tol(dtype))
+        torch.testing.assert_close(state, ref_state, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(h, want_h, **_tol(dtype))
+        h.copy_(want_h)                 # stay on the reference trajectory
+        conv_state.copy_(ref_conv)
+        state.copy_(ref_state)
+
+
+# ------------------------------------------------------------------------------------------
+# LM head with the final norm fused
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_argmax_with_final_norm(dtype):
+    g = torch.Generator().manual_seed(5)
+    V, D, valid = 300, 72, 290
+    h = _vec(D, g, 3.0, dtype)
+    norm_w = _vec(D, g, 0.2, dtype)
+    E = _vec(V * D, g, 1.0, dtype).view(V, D)
+    logits = torch.full((V,), float("nan"), device=DEVICE)
+    tok = torch.full((1,), -1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(V, 16), device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, valid, logits, tok, part, norm_w=norm_w, eps=EPS, block_n=16,
+                   block_k=32, num_warps=4)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, valid, norm_w=norm_w, eps=EPS)
+    torch.testing.assert_close(logits, want_logits, **_tol(dtype))
+    assert int(tok[0]) == want_tok
+
+
+# ------------------------------------------------------------------------------------------
+# launcher validation, PDL off under the interpreter, sm_90 compile with PDL on
+# ------------------------------------------------------------------------------------------
+
+def test_gemv_fused_validates():
+    x = torch.zeros(32, device=DEVICE)
+    W = torch.zeros(16, 32, device=DEVICE)
+    out = torch.zeros(16, device=DEVICE)
+    with pytest.raises(ValueError):                     # two epilogues
+        gemv_fused(x, W, out, residual=out, silu_mul=True)
+    with pytest.raises(ValueError):                     # split-K without scratch
+        gemv_fused(x, W, out, split_k=2, block_n=4, block_k=16)
+    with pytest.raises(ValueError):                     # gated norm: head_dim must divide K
+        gemv_fused(x, W, out, norm_w=torch.zeros(5, device=DEVICE), gate=x, head_dim=5)
+    with pytest.raises(ValueError):                     # gated norm: block_k beyond the head
+        gemv_fused(x, W, out, norm_w=torch.zeros(16, device=DEVICE), gate=x, head_dim=16,
+                   block_k=32)
+    with pytest.raises(ValueError):                     # conv state shape
+        gemv_fused(x, W, out, conv_state=torch.zeros(8, 2, device=DEVICE),
+                   conv_w=torch.zeros(8, 4, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter-only check")
+def test_pdl_flag_is_a_no_op_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    assert not gemv_mod.pdl_active(torch.device("cpu"))
+    assert gemv_mod._launch_kw(torch.device("cpu")) == {}
+    g = torch.Generator().manual_seed(1)
+    h, nw = _vec(64, g), _vec(64, g, 0.2)
+    W = _vec(16 * 64, g, 0.125).view(16, 64)
+    out = torch.empty(16, device=DEVICE)
+    gemv_rmsnorm(h, nw, EPS, W, out, block_n=4, block_k=16)
+    torch.testing.assert_close(out, gemv_fused_ref(h, W, norm_w=nw, eps=EPS)[0],
+                               rtol=2e-5, atol=2e-5)
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    import tritonchat.kernels.gemv as G
+    import tritonchat.kernels.gdn_decode as C
+    import tritonchat.kernels.sampling as S
+
+    def build(fn, args, const, num_warps):
+        sig = dict(args)
+        sig.update({k: "constexpr" for k in const})
+        src = ASTSource(fn=fn, signature=sig, constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps))
+        ptx = k.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, fn
+        assert len(k.asm["cubin"]) > 0, fn            # ptxas accepted the PTX
+        return k
+
+    gemv_args = dict(x_ptr="*bf16", z_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16",
+                     out_ptr="*bf16", res_ptr="*bf16", conv_state_ptr="*bf16",
+                     conv_w_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", N_OUT="i32",
+                     K="i32", stride_w="i32", eps="fp32", K_PER_SPLIT="i32", CONV_DIM="i32")
+    base = dict(DV=1, KW=4, BLOCK_X=1024, MASK_N=False, MASK_K=False, PDL=True)
+    for pro, epi, split, bn, bk in ((1, 3, 1, 8, 512), (1, 2, 1, 4, 512), (1, 0, 2, 8, 512),
+                                    (0, 1, 4, 4, 512)):
+        build(G._fused_gemv_kernel, gemv_args,
+              dict(base, PRO=pro, EPI=epi, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk), 4)
+    gated_args = dict(gemv_args, nw_ptr="*fp32")
+    build(G._fused_gemv_kernel, gated_args,
+          dict(base, PRO=2, EPI=1, DV=128, BLOCK_X=128, SPLIT_K=2, BLOCK_N=4, BLOCK_K=128), 4)
+    core_args = dict(proj_ptr="*bf16", A_log_ptr="*fp32", dt_bias_ptr="*bf16",
+                     state_ptr="*fp32", o_ptr="*bf16", q_scale="fp32", HK="i32", HV="i32")
+    for bv in (16, 32):
+        build(C._gdn_core_kernel, core_args,
+              dict(DK=128, DV=128, GROUP=1, BLOCK_K=128, BLOCK_V=bv, L2_EPS=1e-6,
+                   SP_THRESHOLD=20.0, PDL=True), 4)
+    lm_args = dict(h_ptr="*bf16", nw_ptr="*bf16", e_ptr="*bf16", logits_ptr="*fp32",
+                   part_ptr="*i64", V="i32", VALID="i32", K="i32", stride_e="i32", eps="fp32")
+    build(S._lm_head_kernel, lm_args,
+          dict(PRO=1, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024, MASK_N=False, MASK_K=False,
+               PDL=True), 4)
+    print("OK")
+""")
+
+
+def test_fused_kernels_compile_for_sm90_with_pdl():
+    """Offline PTX + cubin for sm_90 (no GPU needed), the PDL instructions present."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas for an offline sm_90 compile")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------
+# GPU twins: bf16 at the true 0.8B shapes
+# ------------------------------------------------------------------------------------------
+
+Q08 = dict(D=1024, I=3584, hk=16, hv=16, dk=128, dv=128, kw=4, V=248320)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [None, 1, 2])
+def test_gpu_gdn_mixer_model_shape(split_k):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    hk, hv, dk, dv, kwid, D = (Q08[k] for k in ("hk", "hv", "dk", "dv", "kw", "D"))
+    g = torch.Generator().manual_seed(2)
+    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dt, g)
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    conv_state = _vec(conv_dim * (kwid - 1), g, 1.0, dt).view(conv_dim, kwid - 1)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    ref_conv, ref_state = conv_state.clone(), state.clone()
+    h = _vec(D, g, 2.0, dt)
+    proj = torch.empty(n_proj, device=DEVICE, dtype=dt)
+    o = torch.empty(hv * dv, device=DEVICE, dtype=dt)
+    part = torch.zeros(8 * n_proj, device=DEVICE)
+    cnt = torch.zeros(n_proj, device=DEVICE, dtype=torch.int32)
+    for step in range(3):
+        want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state,
+                                                        (hk, hv, dk, dv), dt)
+        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], proj, conv_state=conv_state,
+                     conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt)
+        gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=proj[conv_dim:conv_dim + hv * dv],
+                   head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
+                   counters=cnt)
+        # bf16: a rounding point may flip one ulp between summation orders
+        torch.testing.assert_close(conv_state.float(), ref_conv.float(), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(state, ref_state, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(h.float(), want_h.float(), rtol=3e-2, atol=3e-2)
+        h.copy_(want_h)
+        conv_state.copy_(ref_conv)
+        state.copy_(ref_state)
+    assert not cnt.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [None, 1, 2])
+def test_gpu_mlp_model_shape(split_k):
+    dt = torch.bfloat16
+    D, I = Q08["D"], Q08["I"]
+    g = torch.Generator().manual_seed(4)
+    h = _vec(D, g, 2.0, dt)
+    post_norm = _vec(D, g, 0.2, dt)
+    gate_up = _vec(2 * I * D, g, D ** -0.5, dt).view(2 * I, D)
+    down = _vec(D * I, g, I ** -0.5, dt).view(D, I)
+    part = torch.zeros(8 * 2 * I, device=DEVICE)
+    cnt = torch.zeros(2 * I, device=DEVICE, dtype=torch.int32)
+    act = torch.empty(I, device=DEVICE, dtype=dt)
+    want_act, _ = gemv_fused_ref(h, gate_up, norm_w=post_norm, eps=EPS, silu_mul=True)
+    gemv_rmsnorm(h, post_norm, EPS, gate_up, act, silu_mul=True, split_k=split_k,
+                 partials=part, counters=cnt)
+    torch.testing.assert_close(act.float(), want_act.float(), rtol=2e-2, atol=2e-2)
+    want_h = gemv_ref(act, down, residual=h, out_dtype=dt)
+    gemv_fused(act, down, h, residual=h, split_k=split_k, partials=part, counters=cnt)
+    torch.testing.assert_close(h.float(), want_h.float(), rtol=2e-2, atol=2e-2)
+    assert not cnt.any()
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_final_norm_model_shape():
+    dt = torch.bfloat16
+    V, D = Q08["V"], Q08["D"]
+    g = torch.Generator().manual_seed(6)
+    h = _vec(D, g, 2.0, dt)
+    norm_w = _vec(D, g, 0.2, dt)
+    E = _vec(V * D, g, 0.05, dt).view(V, D)
+    from tritonchat.kernels.sampling import lm_head_plan
+    p = lm_head_plan(V, D, True)
+    logits = torch.empty(V, device=DEVICE)
+    tok = torch.empty(1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(V, p["block_n"]), device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, V - 243, logits, tok, part, norm_w=norm_w, eps=EPS)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, V - 243, norm_w=norm_w, eps=EPS)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3)
+    assert want_logits[int(tok[0])] >= want_logits[:V - 243].max() - 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch):
+    """With USE_PDL on (sm_90+), a CUDA graph of the fused GDN + MLP sequence replays to the
+    same bits as eager launches without PDL."""
+    dt = torch.bfloat16
+    hk, hv, dk, dv, kwid, D, I = (Q08[k] for k in ("hk", "hv", "dk", "dv", "kw", "D", "I"))
+    g = torch.Generator().manual_seed(8)
+    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dt, g)
+    gate_up = _vec(2 * I * D, g, D ** -0.5, dt).view(2 * I, D)
+    down = _vec(D * I, g, I ** -0.5, dt).view(D, I)
+    post = _vec(D, g, 0.2, dt)
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    part = torch.zeros(8 * 2 * I, device=DEVICE)
+    cnt = torch.zeros(2 * I, device=DEVICE, dtype=torch.int32)
+    bufs = dict(proj=torch.empty(n_proj, device=DEVICE, dtype=dt),
+                o=torch.empty(hv * dv, device=DEVICE, dtype=dt),
+                act=torch.empty(I, device=DEVICE, dtype=dt))
+    h0 = _vec(D, g, 2.0, dt)
+    cs0 = _vec(conv_dim * (kwid - 1), g, 1.0, dt).view(conv_dim, kwid - 1)
+    st0 = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+
+    def step(h, cs, st):
+        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], bufs["proj"], conv_state=cs,
+                     conv_w=L["conv_w"], partials=part, counters=cnt)
+        gdn_decode_core(bufs["proj"], L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+        gemv_fused(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"],
+                   gate=bufs["proj"][conv_dim:conv_dim + hv * dv], head_dim=dv, eps=EPS,
+                   residual=h, partials=part, counters=cnt)
+        gemv_rmsnorm(h, post, EPS, gate_up, bufs["act"], silu_mul=True, partials=part,
+                     counters=cnt)
+        gemv_fused(bufs["act"], down, h, residual=h, partials=part, counters=cnt)
+
+    eager = [h0.clone(), cs0.clone(), st0.clone()]
+    for _ in range(3):
+        step(*eager)
+    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    graphed = [h0.clone(), cs0.clone(), st0.clone()]
+    warm = [t.clone() for t in graphed]
+    step(*warm)                                   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*graphed)
+    for t, t0 in zip(graphed, (h0, cs0, st0)):
+        t.copy_(t0)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    assert not cnt.any()
+
+
+# ------------------------------------------------------------------------------------------
+# the tuning table: launchers read it by key, fall back to heuristics without it
+# ------------------------------------------------------------------------------------------
+
+def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
+    from tritonchat.kernels import gdn_decode as gdn_mod
+    from tritonchat.kernels import sampling as samp_mod
+    table = tmp_path / "decode_tuning.json"
+    table.write_text('{"entries": ['
+                     '{"key": "gemv:1024x2048:gated:residual", "split_k": 4, "block_n": 4,'
+                     ' "block_k": 64, "num_warps": 8},'
+                     '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2},'
+                     '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
+                     ' "num_warps": 8}]}')
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    gemv_mod.decode_table.cache_clear()
+    try:
+        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == dict(
+            split_k=4, block_n=4, block_k=64, num_warps=8)
+        # an entry whose block_k exceeds the head would be invalid: the heuristic wins
+        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
+        assert gdn_mod._core_plan(16, 128, 128) == (32, 2)
+        assert samp_mod.lm_head_plan(248320, 1024, True) == dict(block_n=16, block_k=256,
+                                                                num_warps=8)
+        table.write_text("{not json")
+        gemv_mod.decode_table.cache_clear()
+        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == \
+            gemv_mod.fused_heuristic_plan(1024, 2048, "gated", 128)
+    finally:
+        gemv_mod.decode_table.cache_clear()
+
+
+@pytest.mark.parametrize("n_out,k,pro,epi", [(8224, 1024, "rms", "conv"),
+                                             (3584, 1024, "rms", "silu_mul"),
+                                             (1024, 2048, "gated", "residual"),
+                                             (1024, 3584, "none", "residual"),
+                                             (37, 200, "rms", "plain")])
+def test_fused_heuristic_plans_are_valid(n_out, k, pro, epi):
+    p = gemv_mod.fused_heuristic_plan(n_out, k, pro, 128 if pro == "gated" else 0,
+                                      epi == "silu_mul")
+    assert p["block_k"] & (p["block_k"] - 1) == 0 and p["block_k"] >= 16
+    assert p["block_n"] & (p["block_n"] - 1) == 0
+    assert 1 <= p["split_k"] <= gemv_mod.MAX_SPLIT_K
+    if pro == "gated":
+        assert p["block_k"] <= 128
+    # enough programs to cover an H200 (132 SMs) for the model's shapes
+    programs = -(-n_out // p["block_n"]) * p["split_k"]
+    assert n_out < 1000 or programs >= 132
+
+
+def test_tune_decode_quick_grid_is_small_and_valid():
+    from tritonchat.kernels import tune_decode as td
+    total = 0
+    for _key, n_out, k, pro, _epi, _what in td.GEMVS:
+        for p in td._gemv_grid(n_out, k, pro, True):
+            total += 1
+            assert p["block_n"] * p["block_k"] <= 8192
+            assert pro != "gated" or p["block_k"] <= td.DV
+    assert 0 < total <= 80                       # ~2 s a config on the device: < 4 minutes
