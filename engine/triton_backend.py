@@ -73,12 +73,15 @@ class TritonBackend(Backend):
 
     def __init__(self, cfg: TextConfig, weights: dict[str, torch.Tensor], options: EngineOptions,
                  valid_vocab: Optional[int] = None, progress: Optional[Callable[[str, float], None]] = None):
-        from tritonchat.kernels import gemv as gemv_mod  # noqa: F401  (import errors -> unavailable)
+        import os
+
+        from tritonchat.kernels import gemv as gemv_mod
+        if os.environ.get("TRITONCHAT_PDL") in ("0", "1"):   # programmatic dependent launch (sm_90+)
+            gemv_mod.USE_PDL = os.environ["TRITONCHAT_PDL"] == "1"
         self.cfg = cfg
         self.options = options
         self.device = torch.device(options.device)
         if self.device.type != "cuda":
-            import os
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise BackendUnavailableError(
                     "The Triton backend needs a CUDA GPU; on the CPU it runs only under the Triton "

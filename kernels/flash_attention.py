@@ -31,6 +31,8 @@ from .gemm import dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
+# rows of the query tile normalised + rotated at a time (keeps the prologue out of spills)
+_PROLOGUE_ROWS = 16
 
 
 @triton.jit
@@ -138,7 +140,8 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
                               out_ptr, T, start_pos, max_ctx, stride_qg, stride_o, qk_scale, eps,
                               GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr,
                               HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
-                              BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                              BLOCK_N: tl.constexpr, PRO_ROWS: tl.constexpr,
+                              DOT_PREC: tl.constexpr):
     # One program = TOK query tokens x all GROUP query heads of one KV head, stacked as the
     # BLOCK_M = TOK * GROUP_P rows of one Q tile (row r: token r // GROUP_P, head r % GROUP_P),
     # so every K/V tile is loaded once for the whole group and all rows share one causal edge.
@@ -152,12 +155,29 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
     row_mask = (tok < T) & (r % GROUP_P < GROUP)
     pos = start_pos + tok
     cols = tl.arange(0, HDP)
-    tab = tok.to(tl.int64)[:, None] * (ROT // 2) + (cols % (ROT // 2))[None, :]
-    tab_mask = row_mask[:, None] & (cols < ROT)[None, :]
-    cos = tl.load(cos_ptr + tab, mask=tab_mask, other=0.0)
-    sin = tl.load(sin_ptr + tab, mask=tab_mask, other=0.0)
+    col_mask = (cols < HD)[None, :]
     q_off = tok.to(tl.int64) * stride_qg + head * (2 * HD)
-    q = _norm_rope_tile(qg_ptr, q_off, row_mask, cos, sin, q_norm_w_ptr, eps, HD, HDP, ROT)
+    o_off = tok.to(tl.int64) * stride_o + head * HD
+
+    # Prologue, PRO_ROWS rows at a time: normalise + rotate the queries and park them in this
+    # program's own rows of `out` (overwritten by the epilogue). A whole-tile prologue keeps
+    # several fp32 copies of [BLOCK_M, HD] live and spills at BLOCK_M x 256.
+    for c0 in range(0, BLOCK_M, PRO_ROWS):
+        rc = c0 + tl.arange(0, PRO_ROWS)
+        tok_c = pid_m * TOK + rc // GROUP_P
+        head_c = kvh * GROUP + rc % GROUP_P
+        mask_c = (tok_c < T) & (rc % GROUP_P < GROUP)
+        tab = tok_c.to(tl.int64)[:, None] * (ROT // 2) + (cols % (ROT // 2))[None, :]
+        tab_mask = mask_c[:, None] & (cols < ROT)[None, :]
+        cos = tl.load(cos_ptr + tab, mask=tab_mask, other=0.0)
+        sin = tl.load(sin_ptr + tab, mask=tab_mask, other=0.0)
+        qc = _norm_rope_tile(qg_ptr, tok_c.to(tl.int64) * stride_qg + head_c * (2 * HD), mask_c,
+                             cos, sin, q_norm_w_ptr, eps, HD, HDP, ROT)
+        tl.store(out_ptr + (tok_c.to(tl.int64) * stride_o + head_c * HD)[:, None] + cols[None, :],
+                 qc, mask=mask_c[:, None] & col_mask)
+    tl.debug_barrier()                        # the parked rows were written by other threads
+    q = tl.load(out_ptr + o_off[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask,
+                other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -179,11 +199,10 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     dtype = out_ptr.dtype.element_ty
     o = (acc / l_i[:, None]).to(dtype).to(tl.float32)
-    m = row_mask[:, None] & (cols < HD)[None, :]
+    m = row_mask[:, None] & col_mask
     gate = tl.load(qg_ptr + (q_off + HD)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     y = o * tl.sigmoid(gate).to(dtype).to(tl.float32)
-    tl.store(out_ptr + (tok.to(tl.int64) * stride_o + head * HD)[:, None] + cols[None, :],
-             y.to(dtype), mask=m)
+    tl.store(out_ptr + o_off[:, None] + cols[None, :], y.to(dtype), mask=m)
 
 
 @functools.lru_cache(maxsize=16)
@@ -297,6 +316,6 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg, q_norm_w, cos_tab, sin_tab, k_cache, v_cache, out, T, start_pos, max_ctx,
         qg.stride(0), out.stride(0), qk_scale, eps,
         GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,
-        BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(dt),
+        BLOCK_N=cfg["BLOCK_N"], PRO_ROWS=min(block_m, _PROLOGUE_ROWS), DOT_PREC=dot_precision(dt),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

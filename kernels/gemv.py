@@ -435,11 +435,15 @@ def _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, con
             acc += s_j.to(tl.float32) * w_j.to(tl.float32)
         conv = acc.to(act_dtype).to(tl.float32)
         silu = (conv * tl.sigmoid(conv)).to(act_dtype).to(tl.float32)
-        # each state element below is read by the thread that rewrites it (same row): the
-        # loads of a row's old state all precede its stores in that thread's program order
+        # After the K reduction a row's value is replicated over several threads, and each
+        # replica shifts the state too: a barrier between every read and every overwrite keeps
+        # a lagging replica from reading a slot another replica already shifted.
+        tl.debug_barrier()
         for j in tl.static_range(KW - 2):
             nxt = tl.load(conv_state_ptr + c * (KW - 1) + (j + 1), mask=is_conv, other=0.0)
+            tl.debug_barrier()
             tl.store(conv_state_ptr + c * (KW - 1) + j, nxt, mask=is_conv)
+            tl.debug_barrier()
         tl.store(conv_state_ptr + c * (KW - 1) + (KW - 2),
                  m_new.to(conv_state_ptr.dtype.element_ty), mask=is_conv)
         y = tl.where(is_conv, silu, y)

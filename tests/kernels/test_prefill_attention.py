@@ -134,6 +134,30 @@ def test_attention_explicit_config(cfg):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+GROUP4 = dict(num_heads=8, num_kv_heads=2, head_dim=40, rotary_dim=10, rope_theta=1e4, eps=1e-6)
+GROUP3 = dict(num_heads=6, num_kv_heads=2, head_dim=24, rotary_dim=24, rope_theta=1e4, eps=1e-6)
+
+
+@pytest.mark.parametrize("dims,cfg,T,start_pos", [
+    # 16 tokens x 4 heads: the prologue runs in four 16-row pieces, keys in 32-wide tiles
+    (GROUP4, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2), 70, 9),
+    # 32 tokens x 4 heads, one diagonal spanning several key tiles
+    (GROUP4, dict(BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=2), 77, 0),
+    # group 3 padded to 4 rows per token: the padding rows must not touch the next group's head
+    (GROUP3, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2), 40, 30),
+    (GROUP3, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2), 5, 1),
+], ids=["g4_m64", "g4_m128", "g3_m64", "g3_m16"])
+def test_attention_stacked_head_tiles(dims, cfg, T, start_pos):
+    """Query heads of one KV head stacked as rows of the Q tile, at the tuner's tile sizes."""
+    inputs = _inputs(T, dims, torch.float32, T + start_pos, start_pos, start_pos + T + 3)
+    qg, k, v, qw, kw, k_cache, v_cache = inputs
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = torch.full((T, dims["num_heads"] * dims["head_dim"]), float("nan"), device=DEVICE)
+    attention_prefill(qg, k, v, qw, kw, kc, vc, start_pos, out, config=cfg, **dims)
+    ref, _, _ = _run(attention_prefill_ref, inputs, start_pos, dims)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_matches_transformers():
     """The reference against HF's own Qwen3_5Attention (eager, fp32), positions 0..T-1."""
     mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -176,6 +200,9 @@ def test_attention_rejects_bad_arguments():
         attention_prefill(qg, k, v, qw, kw, kc, vc, 0, out, **dict(SMALL, rotary_dim=11))
     with pytest.raises(TypeError):
         attention_prefill(qg, k, v, qw, kw, kc.half(), vc, 0, out, **SMALL)
+    with pytest.raises(ValueError):          # a tile row count that is not a power of two
+        attention_prefill(qg, k, v, qw, kw, kc, vc, 0, out, **SMALL,
+                          config=dict(BLOCK_M=48, BLOCK_N=32, num_warps=4, num_stages=2))
 
 
 # ------------------------------------------------------------------------------------------
