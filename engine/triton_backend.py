@@ -76,8 +76,9 @@ class TritonBackend(Backend):
         import os
 
         from tritonchat.kernels import gemv as gemv_mod
-        if os.environ.get("TRITONCHAT_PDL") in ("0", "1"):   # programmatic dependent launch (sm_90+)
-            gemv_mod.USE_PDL = os.environ["TRITONCHAT_PDL"] == "1"
+        # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
+        # its weights while the previous kernel finishes. Measured +8% decode on the H200.
+        gemv_mod.USE_PDL = os.environ.get("TRITONCHAT_PDL", "1") == "1"
         self.cfg = cfg
         self.options = options
         self.device = torch.device(options.device)
@@ -201,9 +202,7 @@ class TritonBackend(Backend):
             key = (tuple(W.shape), prologue, epilogue)
             if key in self._fplans:
                 return
-            p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim)
-            if not enabled:
-                p = dict(p, split_k=1)
+            p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
             self._fplans[key] = p
             np_, nc = G.fused_scratch_numel(n_out, p, epilogue == "silu_mul")
             need_p, need_c = max(need_p, np_), max(need_c, nc)

@@ -584,18 +584,26 @@ def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
 
 
 def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
-               head_dim: int = 0) -> dict:
-    """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan."""
+               head_dim: int = 0, split_k_enabled: bool = True) -> dict:
+    """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan.
+    split_k_enabled=False gives the best direct (split_k = 1) form the tuner measured."""
     e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
     if e is not None:
         try:
             p = dict(split_k=int(e["split_k"]), block_n=int(e["block_n"]),
                      block_k=int(e["block_k"]), num_warps=int(e["num_warps"]))
+            if not split_k_enabled and p["split_k"] > 1:
+                p = dict(split_k=1, block_n=int(e["direct_block_n"]), block_k=int(e["direct_block_k"]),
+                         num_warps=int(e["direct_num_warps"]))
             if prologue != "gated" or p["block_k"] <= triton.next_power_of_2(head_dim):
                 return p
         except (KeyError, TypeError, ValueError):
             pass
-    return fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
+    p = fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
+    if not split_k_enabled and p["split_k"] > 1:
+        # direct form: narrow row blocks so the grid still covers the SMs
+        p = dict(p, split_k=1, block_n=max(1, min(p["block_n"], triton.next_power_of_2(max(1, n_out // TARGET_PROGRAMS)))))
+    return p
 
 
 def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:

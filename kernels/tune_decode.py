@@ -59,6 +59,9 @@ LM_KEY = f"lm_head:{V}x{D}:rms"
 CORE_KEY = f"gdn_core:{HV}x{DK}x{DV}"
 
 
+SPLIT_GAIN = 0.97   # keep split-K only when it beats the best direct form by > 3%
+
+
 def _bench_us(fn, rep: int = 20) -> float:
     """Median µs of fn replayed in a CUDA graph (falls back to stream timing)."""
     try:
@@ -131,6 +134,7 @@ def tune_gemvs(quick: bool, log, deadline: float) -> list[dict]:
     for key, n_out, k, pro, epi, what in GEMVS:
         g = _Gemv(n_out, k, pro, epi)
         best = None
+        best_direct = None                       # split_k = 1: what "split-K off" runs
         t0 = time.time()
         first = G.fused_heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
                                        epi == "silu_mul")
@@ -145,14 +149,22 @@ def tune_gemvs(quick: bool, log, deadline: float) -> list[dict]:
                 continue
             if best is None or us < best[0]:
                 best = (us, p)
+            if int(p["split_k"]) == 1 and (best_direct is None or us < best_direct[0]):
+                best_direct = (us, p)
         if best is None:
             log(f"{key}: no config ran")
             continue
         us, p = best
-        entries.append(dict(key=key, **p, us=round(us, 2),
-                            gb_s=round(g.nbytes / (us * 1e-6) / 1e9, 1), what=what))
+        if int(p["split_k"]) > 1 and best_direct is not None and us > SPLIT_GAIN * best_direct[0]:
+            us, p = best_direct                  # split-K only where it clearly wins
+        entry = dict(key=key, **p, us=round(us, 2), gb_s=round(g.nbytes / (us * 1e-6) / 1e9, 1), what=what)
+        if best_direct is not None:
+            du, dp = best_direct
+            entry.update(direct_block_n=dp["block_n"], direct_block_k=dp["block_k"],
+                         direct_num_warps=dp["num_warps"], us_direct=round(du, 2))
+        entries.append(entry)
         log(f"{key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  "
-            f"({time.time() - t0:.0f} s)")
+            f"direct {entry.get('us_direct', float('nan')):.2f} us  ({time.time() - t0:.0f} s)")
         del g
     return entries
 
