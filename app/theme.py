@@ -143,5 +143,7 @@ def apply_theme(app: QApplication, mode: str) -> Colors:
     if app.style().name().lower() != "fusion":
         app.setStyle("Fusion")
     app.setPalette(palette(c))
-    app.setStyleSheet(stylesheet(c))
+    sheet = stylesheet(c)
+    if app.styleSheet() != sheet:          # re-polishing every widget is not free
+        app.setStyleSheet(sheet)
     return c

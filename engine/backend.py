@@ -65,6 +65,14 @@ class Backend(ABC):
         self.decode(token_id)
         return self.sample()
 
+    def launch_step(self, token_id: int) -> None:
+        """Start step(token_id) without waiting for its result (finish_step() returns it), so
+        the host can detokenize and call back while the GPU computes. Default: synchronous."""
+        self._launched = self.step(token_id)
+
+    def finish_step(self) -> int:
+        return self._launched
+
     # --- multi-turn snapshots (GDN states cannot rewind, so they are copied) ---
     def snapshot(self):
         """An opaque copy of the state that restore() brings back."""
@@ -85,7 +93,13 @@ class Backend(ABC):
 
     def memory_info(self) -> dict:
         """{'allocated_bytes':..., 'reserved_bytes':..., 'total_bytes':...} on GPU; {} on CPU."""
-        return {}
+        device = getattr(self, "device", None)
+        if device is None or device.type != "cuda":
+            return {}
+        import torch
+        free, total = torch.cuda.mem_get_info(device)
+        return {"allocated_bytes": torch.cuda.memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device), "total_bytes": total}
 
     def close(self) -> None:
         """Free device memory."""

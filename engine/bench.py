@@ -61,8 +61,19 @@ def decode_run(be, prompt: list[int], new_tokens: int) -> dict:
     torch.cuda.synchronize()
     res = gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=new_tokens)
     s = res.stats
-    return {"decode_tok_s": s.decode_tok_s, "ms_per_token": s.decode_ms_per_token, "ttft_ms": s.ttft_ms,
-            "prefill_tok_s": s.prefill_tok_s, "new_tokens": s.new_tokens, "token_ids": res.token_ids}
+    out = {"decode_tok_s": s.decode_tok_s, "ms_per_token": s.decode_ms_per_token, "ttft_ms": s.ttft_ms,
+           "prefill_tok_s": s.prefill_tok_s, "new_tokens": s.new_tokens, "token_ids": res.token_ids}
+    graph = getattr(be, "_graph", None)
+    if graph is not None and be.length + 2 * 64 < be.max_context:
+        # GPU time of one step alone: graph replays back to back, no host read per token
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(64):
+            graph.replay()
+        torch.cuda.synchronize()
+        out["gpu_step_ms"] = (time.perf_counter() - t0) * 1e3 / 64
+    gen.forget()
+    return out
 
 
 def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]:
@@ -259,7 +270,9 @@ def run_bench(args) -> int:
         raise TritonChatError("tritonchat bench needs a CUDA GPU (it measures GPU decode speed against HBM bandwidth).")
     if not args.model and not args.random_weights:
         args.random_weights = True
-    context = args.context or 32768
+    lens = [int(x) for x in (args.prefill_lens or "128,2048,8192,32768").split(",") if x]
+    # the TTFT table's longest prompt must fit with room for its first token
+    context = args.context or (max(32768, max(lens) + 512) if args.compare else 32768)
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     if prompt_len < 1 or new_tokens < 2:
         raise TritonChatError("--prompt-len must be >= 1 and --new-tokens >= 2.")
@@ -308,7 +321,6 @@ def run_bench(args) -> int:
             pos = context - new_tokens - 64
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
             be.reset()
-        lens = [int(x) for x in (args.prefill_lens or "128,2048,8192,32768").split(",") if x]
         report["prefill"] = prefill_table(be, cfg, [n for n in lens if n < context])
         be.close()
         del be

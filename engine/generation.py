@@ -111,28 +111,35 @@ class Generator:
         new_prefilled = len(prompt) - reused
         stats.prefill_tok_s = new_prefilled / max(t_first - t0, 1e-9)
         stop_reason = "max_tokens"
+        steps = 0                                  # decode steps after the first token
         while True:
             if tok in self.stop_ids and not ignore_eos:
                 stop_reason = "eos"
                 break
             out.append(tok)
-            if on_token is not None:
-                on_token(tok)
             if len(out) >= max_new_tokens:
                 stop_reason = "max_tokens"
+            elif stop_event is not None and stop_event.is_set():
+                stop_reason = "stopped"
+            elif be.length >= be.max_context:
+                stop_reason = "context_full"
+            else:
+                stop_reason = ""
+                be.launch_step(tok)           # the GPU decodes tok while the host streams it
+            if on_token is not None:
+                on_token(tok)
+            if stop_reason:
                 break
-            if stop_event is not None and stop_event.is_set():
+            nxt = be.finish_step()
+            steps += 1
+            self.cached_ids.append(out[-1])
+            if stop_event is not None and stop_event.is_set():   # set while tok was streamed
                 stop_reason = "stopped"
                 break
-            if be.length >= be.max_context:
-                stop_reason = "context_full"
-                break
-            tok = be.step(tok)
-            self.cached_ids.append(out[-1])
+            tok = nxt
         t_end = time.perf_counter()
         stats.new_tokens = len(out)
         stats.total_ms = (t_end - t0) * 1e3
-        steps = len(out) - 1 if stop_reason != "eos" else len(out)
         if steps > 0 and t_end > t_first:
             stats.decode_tok_s = steps / (t_end - t_first)
             stats.decode_ms_per_token = (t_end - t_first) * 1e3 / steps

@@ -289,10 +289,3 @@ class ReferenceBackend(Backend):
     def restore(self, snap) -> None:
         self.state.restore(snap)
         self._logits = None
-
-    def memory_info(self) -> dict:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
-                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "total_bytes": total}
-        return {}

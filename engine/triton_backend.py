@@ -392,10 +392,18 @@ class TritonBackend(Backend):
         return tok
 
     def step(self, token_id: int) -> int:
+        self.launch_step(token_id)
+        return self.finish_step()
+
+    def launch_step(self, token_id: int) -> None:
+        """Replay the decode step for token_id (already in tok_buf when it is the token this
+        backend sampled) without waiting: the host streams text while the GPU computes."""
         self._ensure_sampler_mode()
         if token_id != self._last_token:
             self.tok_buf.fill_(int(token_id))
         self._run_decode()
+
+    def finish_step(self) -> int:
         return self.sample()
 
     def _run_decode(self) -> None:
@@ -516,13 +524,6 @@ class TritonBackend(Backend):
         nbytes = self.cfg.decode_bytes_per_token(self.embed.element_size())
         gb_s = measure_hbm_read(nbytes, self.device)
         return {"gb_s": gb_s, "bytes_per_token": nbytes}
-
-    def memory_info(self) -> dict:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
-                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "total_bytes": total}
-        return {}
 
     def close(self) -> None:
         self._graph = None

@@ -113,8 +113,10 @@ def test_gemm_true_shapes_bf16(name):
     # come out one bf16 ulp of the output's magnitude away. Anything beyond that is an error.
     err = (out.float() - ref.float()).abs()
     ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))))
-    bad = err > torch.maximum(ulp, torch.full_like(ulp, 1e-2))
-    assert not bad.any(), f"{int(bad.sum())} elements beyond one bf16 ulp, worst {err.max().item():.4g}"
+    # two rounding points (the product, then the residual add / SiLU*up) can each land one ulp
+    # apart when the fp32 sums differ in their last bits: allow two ulps per element
+    bad = err > torch.maximum(2 * ulp, torch.full_like(ulp, 1e-2))
+    assert not bad.any(), f"{int(bad.sum())} elements beyond two bf16 ulps, worst {err.max().item():.4g}"
     # and the bulk agrees far better than an ulp (no systematic error hiding under the bound)
     assert err.mean().item() < 2e-3
 
