@@ -145,23 +145,42 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
 
 
 @triton.jit
-def _attn_decode_combine_kernel(part_ptr, qg_ptr, out_ptr,
+def _attn_decode_combine_kernel(part_ptr, qg_ptr, out_ptr, pos_ptr,
                                 HD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_N: tl.constexpr):
+    # grid (head, head_dim block): merge the (m, l, acc) partials of the splits that hold
+    # positions (the same split arithmetic as the split kernel; the others are empty), in
+    # split order, BLOCK_S at a time, so a short context reads few partials
     h = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_D
     act = out_ptr.dtype.element_ty
+    p = tl.load(pos_ptr).to(tl.int32)
+    n_tok = p + 1
+    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_active = tl.minimum(tl.cdiv(n_tok, per_split), NUM_SPLITS)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HD
-    rec = part_ptr + (h * NUM_SPLITS + offs_s).to(tl.int64) * (HD + 2)
-    m = tl.load(rec + HD, mask=s_mask, other=float("-inf"))
-    l = tl.load(rec + HD + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)                    # split 0 always holds position 0: finite
-    w = tl.exp2(m - m_max)
-    acc = tl.load(rec[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                  other=0.0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    base = part_ptr + (h * NUM_SPLITS).to(tl.int64) * (HD + 2)
+    m_max = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        sm = (s0 + offs_s) < n_active
+        m = tl.load(base + (s0 + offs_s).to(tl.int64) * (HD + 2) + HD, mask=sm, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    mx = tl.max(m_max, axis=0)                   # split 0 always holds position 0: finite
+    num = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    den = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        sm = (s0 + offs_s) < n_active
+        rec = base + (s0 + offs_s).to(tl.int64) * (HD + 2)
+        m = tl.load(rec + HD, mask=sm, other=float("-inf"))
+        l = tl.load(rec + HD + 1, mask=sm, other=0.0)
+        w = tl.exp2(m - mx)
+        acc = tl.load(rec[:, None] + offs_d[None, :], mask=sm[:, None] & d_mask[None, :], other=0.0)
+        num += tl.sum(w[:, None] * acc, axis=0)
+        den += w * l
+    o = num / tl.sum(den, axis=0)
     o = o.to(act).to(tl.float32)
     gate = tl.load(qg_ptr + h * (2 * HD) + HD + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sg = tl.sigmoid(gate).to(act).to(tl.float32)
@@ -244,8 +263,9 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=num_warps)
-    block_s = triton.next_power_of_2(num_splits)
-    _attn_decode_combine_kernel[(H,)](
-        partials, qg, out, HD=hd, NUM_SPLITS=num_splits,
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 8192 else 8)
+    block_s = min(16, triton.next_power_of_2(num_splits))
+    block_dc = min(block_d, 64)
+    _attn_decode_combine_kernel[(H, triton.cdiv(hd, block_dc))](
+        partials, qg, out, pos, HD=hd, NUM_SPLITS=num_splits,
+        BLOCK_S=block_s, BLOCK_D=block_dc, BLOCK_N=block_n, num_warps=2)
     return out
