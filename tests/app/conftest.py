@@ -10,6 +10,25 @@ import pytest  # noqa: E402
 import tritonchat.app.refcount_guard  # noqa: E402,F401  (PySide6 6.12 drops refs to True/None on 3.11)
 
 
+@pytest.fixture(autouse=True)
+def _delete_widgets_on_the_gui_thread():
+    """After each test, really delete what it closed, here on the GUI thread.
+
+    pytest-qt closes registered widgets with deleteLater(), but processEvents() does not run
+    deferred deletes: they would wait for the next test's event loop, and Python's cyclic GC
+    could meanwhile free a leftover wrapper on whatever thread allocates, e.g. the next test's
+    engine thread, deleting widgets off the GUI thread."""
+    yield
+    import gc
+
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    if QCoreApplication.instance() is not None:
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+        gc.collect()
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """One tiny random-weight Qwen3.5 checkpoint (with tokenizer) shared by the app tests."""
@@ -127,6 +146,7 @@ def make_window(qtbot, store, qsettings, tiny_model_dir, recording_loader, error
     for w in windows:
         w.close()
         assert w.engine.thread.wait(30000)
+        w.deleteLater()
 
 
 @pytest.fixture
