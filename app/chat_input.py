@@ -82,6 +82,7 @@ class ChatInput(QWidget):
 
         self.hint = QLabel("Enter to send \u00b7 Shift+Enter for a new line \u00b7 Esc to stop", self)
         self.hint.setObjectName("MutedLabel")
+        self.hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.meter = QProgressBar(self)
         self.meter.setObjectName("ContextMeter")
         self.meter.setTextVisible(False)
@@ -95,8 +96,8 @@ class ChatInput(QWidget):
         self.meter_label.setToolTip(self.meter.toolTip())
         foot = QHBoxLayout()
         foot.setContentsMargins(6, 0, 6, 0)
-        foot.addWidget(self.hint)
-        foot.addStretch(1)
+        foot.addWidget(self.hint, 1)
+        foot.addSpacing(12)
         foot.addWidget(self.meter_label)
         foot.addWidget(self.meter, 0, Qt.AlignmentFlag.AlignVCenter)
 

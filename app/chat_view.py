@@ -98,6 +98,7 @@ class RichText(QTextBrowser):
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
         self.anchorClicked.connect(self._on_anchor)
         self._html = None
+        self.preferred_width = 0          # 0: as wide as the layout gives
 
     def set_html(self, html: str) -> None:
         if html == self._html:
@@ -129,7 +130,11 @@ class RichText(QTextBrowser):
             QDesktopServices.openUrl(url)
 
     def sizeHint(self) -> QSize:
-        return QSize(super().sizeHint().width(), self.height())
+        width = self.preferred_width if self.preferred_width else super().sizeHint().width()
+        return QSize(width, self.height())
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(40, self.height())        # never forces the page wider: it wraps instead
 
 
 def _action(text: str, tooltip: str, parent: QWidget) -> QToolButton:
@@ -281,6 +286,7 @@ class MessageWidget(QFrame):
             row = QHBoxLayout()
             row.setContentsMargins(0, 0, 0, 0)
             row.addStretch(1)
+            self.bubble.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
             row.addWidget(self.bubble, 0)
             self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
             outer.addWidget(self.role_label)
@@ -306,6 +312,7 @@ class MessageWidget(QFrame):
         self.regenerate_button.clicked.connect(lambda: self.regenerateRequested.emit(self.msg_id))
         self.stats_label = QLabel(self.actions)
         self.stats_label.setObjectName("StatsLabel")
+        self.stats_label.setWordWrap(True)       # wraps in a narrow window instead of widening it
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         if role == "user":
             al.addStretch(1)
@@ -402,11 +409,15 @@ class MessageWidget(QFrame):
             self.body.setVisible(True)
 
     def _fit_bubble(self) -> None:
-        if self.bubble is None or self._editor is not None:
+        """Preferred width = the text's natural width; at most 80% of the row. Only a maximum
+        is set, so a narrower window still shrinks the bubble (and the text wraps)."""
+        if self.bubble is None:
             return
         margins = self.bubble.layout().contentsMargins()
-        limit = max(120, int(self.width() * 0.8))
-        self.bubble.setFixedWidth(min(limit, self._natural_width + margins.left() + margins.right()))
+        self.body.preferred_width = self._natural_width
+        self.body.updateGeometry()
+        self.bubble.setMaximumWidth(min(max(120, int(self.width() * 0.8)),
+                                        self._natural_width + margins.left() + margins.right()))
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)

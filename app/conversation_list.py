@@ -176,3 +176,4 @@ class ConversationList(QWidget):
         menu.addSeparator()
         menu.addAction("Delete\u2026", lambda: self.deleteRequested.emit(conv_id))
         menu.exec(self.list.viewport().mapToGlobal(pos))
+        menu.deleteLater()

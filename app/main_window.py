@@ -18,8 +18,8 @@ from typing import Callable
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, QMainWindow,
-                               QMessageBox, QProgressBar, QSplitter, QToolButton, QVBoxLayout,
-                               QWidget)
+                               QMessageBox, QProgressBar, QSizePolicy, QSplitter, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from tritonchat.engine.api import SamplingParams
 
@@ -150,6 +150,7 @@ class MainWindow(QMainWindow):
         self._banner_warning = False
         self.header_title = QLabel(NEW_CHAT_TITLE, self)
         self.header_title.setStyleSheet("font-size: 12pt; font-weight: 600;")
+        self.header_title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.timing_button = QToolButton(self)
         self.timing_button.setText("Timing")
         self.timing_button.setCheckable(True)

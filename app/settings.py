@@ -41,9 +41,6 @@ class ChatSettings:
         """The SamplingParams for the next answer (seed included)."""
         return replace(self.sampling, seed=self.seed)
 
-    def engine_switches(self) -> dict:
-        return {"split_k": self.split_k, "graph": self.graph, "max_context": self.context_length}
-
 
 def open_settings(path: str | None = None) -> QSettings:
     """The app's QSettings; tests pass a file path (INI) to stay out of the user's settings."""

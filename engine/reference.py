@@ -289,3 +289,10 @@ class ReferenceBackend(Backend):
     def restore(self, snap) -> None:
         self.state.restore(snap)
         self._logits = None
+
+    def set_max_context(self, n: int) -> None:
+        """Re-allocate the KV cache for a new context length (the conversation is forgotten)."""
+        self.state = None
+        self.options.max_context = int(n)
+        self.state = ModelState(self.cfg, self.options.max_context, self.device, self.dtype)
+        self._logits = None

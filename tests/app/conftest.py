@@ -19,13 +19,9 @@ def _delete_widgets_on_the_gui_thread():
     could meanwhile free a leftover wrapper on whatever thread allocates, e.g. the next test's
     engine thread, deleting widgets off the GUI thread."""
     yield
-    import gc
-
     from PySide6.QtCore import QCoreApplication, QEvent
 
     if QCoreApplication.instance() is not None:
-        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
-        gc.collect()
         QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
 
@@ -143,10 +139,17 @@ def make_window(qtbot, store, qsettings, tiny_model_dir, recording_loader, error
         return w
 
     yield make
+    import gc
+
+    from PySide6.QtCore import QCoreApplication, QEvent
+
     for w in windows:
         w.close()
         assert w.engine.thread.wait(30000)
         w.deleteLater()
+    windows.clear()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+    gc.collect()                  # leftover wrappers go now, on the GUI thread
 
 
 @pytest.fixture

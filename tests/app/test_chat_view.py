@@ -221,3 +221,21 @@ def test_interrupted_thinking_without_stats(view):
     w = view.add_message(1, "assistant", "", "cut short", None)
     assert w.thinking_block.label() == "Thoughts (interrupted)"
     assert w.stats_label.text() == ""
+
+
+def test_narrow_window_wraps_instead_of_overflowing(view, qtbot):
+    short = view.add_message(1, "user", "hi")
+    view.add_message(2, "user", "a long message " * 30)
+    view.add_message(3, "assistant", "an answer " * 60,
+                     stats={"ttft_ms": 1234.0, "prefill_tok_s": 45678.0, "decode_tok_s": 1234.5,
+                            "new_tokens": 99999, "stop_reason": "max_tokens", "backend": "triton",
+                            "dtype": "bfloat16", "split_k": True, "graph": True})
+    qtbot.waitUntil(lambda: short.bubble.width() > 0)
+    assert short.bubble.width() < view.width() * 0.3          # a short message hugs its text
+    for width in (900, 420):
+        view.resize(width, 500)
+        qtbot.waitUntil(lambda: view.scroll.viewport().width() <= width)
+        for w in view.messages:
+            qtbot.waitUntil(lambda w=w: w.width() <= view.scroll.viewport().width())
+            if w.bubble is not None:
+                assert w.bubble.width() <= 0.8 * w.width() + 1

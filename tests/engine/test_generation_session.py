@@ -115,3 +115,11 @@ def test_session_context_full_is_one_sentence(model_dir):
     with pytest.raises(ContextFullError) as e:
         s.generate([{"role": "user", "content": "word " * 50}], GREEDY, max_new_tokens=5, enable_thinking=False)
     assert "\n" not in str(e.value) and "context" in str(e.value)
+
+
+def test_set_max_context_reference(model_dir):
+    s = ChatSession.load(model_dir, EngineOptions(max_context=64))
+    s.set_max_context(128)
+    assert s.backend.max_context == 128 and s.backend.state.kv[3][0].shape[1] == 128
+    r = s.generate([{"role": "user", "content": "hi"}], GREEDY, max_new_tokens=3, enable_thinking=False)
+    assert r.result.stats.prompt_tokens > 0
