@@ -108,7 +108,18 @@ def test_configure_and_timings_and_count(worker):
     assert tag == 7 and n > 0 and max_ctx == 1024
 
 
-def test_context_change_rebuilds_a_backend_that_cannot_resize(worker):
+def test_context_change_resizes_in_place(worker):
+    w, rec = worker
+    loads_before = len(rec.of("loaded"))
+    backend = w.session.backend
+    w.configure({"max_context": 768})
+    assert len(rec.of("loaded")) == loads_before            # no reload: the cache is re-allocated
+    assert w.session.backend is backend and w.session.options.max_context == 768
+
+
+def test_context_change_rebuilds_a_backend_that_cannot_resize(worker, monkeypatch):
+    from tritonchat.engine.reference import ReferenceBackend
+    monkeypatch.delattr(ReferenceBackend, "set_max_context")
     w, rec = worker
     loads_before = len(rec.of("loaded"))
     w.configure({"max_context": 512})

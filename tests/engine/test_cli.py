@@ -125,3 +125,18 @@ def test_bench_without_gpu_is_one_sentence():
     if _has_cuda():
         pytest.skip("has a GPU")
     _bad(run_cli("bench", "--random-weights"), "CUDA")
+
+
+def test_triton_backend_on_cpu_under_the_interpreter(model_dir):
+    if _has_cuda():
+        pytest.skip("has a GPU")
+    r = run_cli("generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--greedy", "--max-new-tokens", "3",
+                "--ignore-eos", "--backend", "triton", "--device", "cpu", "--json", env={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.splitlines()[-1])
+    ref = run_cli("generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--greedy", "--max-new-tokens", "3",
+                  "--ignore-eos", "--backend", "reference", "--json")
+    assert d["backend"] == "triton" and d["token_ids"] == json.loads(ref.stdout.splitlines()[-1])["token_ids"]
+    # without the interpreter the Triton backend on the CPU is refused in one sentence
+    _bad(run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--backend", "triton", "--device", "cpu",
+                 env={"TRITON_INTERPRET": "0"}), "Triton")
