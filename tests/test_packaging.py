@@ -14,7 +14,7 @@ def test_wheel_contents(tmp_path):
     wheel = next(tmp_path.glob("tritonchat-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("tritonchat/engine/cli.py", "tritonchat/engine/reference.py", "tritonchat/kernels/gemv.py",
-                     "tritonchat/kernels/gemv_splitk_table.json", "tritonchat/app/main.py",
+                     "tritonchat/kernels/decode_tuning.json", "tritonchat/kernels/prefill_tuning.json", "tritonchat/app/main.py",
                      "tritonchat/resources/tritonchat.svg", "tritonchat/resources/tritonchat.desktop",
                      "tritonchat/resources/icons/tritonchat-256.png"):
         assert required in names, required
