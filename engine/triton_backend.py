@@ -13,7 +13,6 @@ Triton prefill kernels take over, and as a cross-check).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -23,6 +22,8 @@ from .api import EngineOptions, SamplingParams
 from .backend import Backend
 from .config import FULL_ATTENTION, TextConfig
 from .errors import BackendUnavailableError, ContextFullError
+from .graph import capture as capture_graph
+from .graph import replay_or_capture
 from .reference import ModelState, ReferenceModel, torch_dtype
 
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
@@ -102,7 +103,7 @@ class TritonBackend(Backend):
         self._timed_graph_failed = False
         self._sampling_key = None
         self._params = SamplingParams()
-        self._logits_valid = False
+        self._pending_head = False          # prefill done, final norm + LM head not yet run
         self._last_token: Optional[int] = None
         if options.timing:
             self.configure(timing=True)
@@ -327,7 +328,6 @@ class TritonBackend(Backend):
     def reset(self) -> None:
         self.state.zero_()
         self.pos_buf.zero_()
-        self._logits_valid = False
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:
@@ -342,7 +342,6 @@ class TritonBackend(Backend):
         self.pos_buf.fill_(self.state.length)
         self.h.copy_(h)
         self._pending_head = True
-        self._logits_valid = False
 
     def _prefill_hidden(self, ids_t: torch.Tensor) -> torch.Tensor:
         """Pre-final-norm hidden state of the last prompt token; fills the caches/states."""
@@ -355,12 +354,11 @@ class TritonBackend(Backend):
         self._run_decode()
 
     def logits(self) -> torch.Tensor:
-        if getattr(self, "_pending_head", False):
+        if self._pending_head:
             self._ensure_sampler_mode()
             with torch.inference_mode():
                 self._head_step(self._sampling_key == "sample")
             self._pending_head = False
-            self._sampled_pending = True
         return self.logits_buf
 
     def begin_sampling(self, params: SamplingParams, history_ids: Sequence[int]) -> None:
@@ -385,7 +383,7 @@ class TritonBackend(Backend):
             self._invalidate_graph()
 
     def sample(self) -> int:
-        if getattr(self, "_pending_head", False):
+        if self._pending_head:
             self.logits()
         tok = int(self.tok_buf.item())
         self._last_token = tok
@@ -414,13 +412,11 @@ class TritonBackend(Backend):
                 self._timed_decode()
                 self._last_timed = time.perf_counter()
             elif self.options.graph and self.device.type == "cuda":
-                from .graph import replay_or_capture
                 replay_or_capture(self)
             else:
                 self._decode_step()
         self.state.length += 1
         self._pending_head = False
-        self._logits_valid = True
 
     def _timed_decode(self) -> None:
         """One decode step whose kernels are timed: replayed from a graph with an event-record node
@@ -431,12 +427,11 @@ class TritonBackend(Backend):
             self._decode_step()
             return
         if self._timed_graph is None and not self._timed_graph_failed:
-            from .graph import capture
             events: list = []
             t.events = events
             self._timer_active = t
             try:
-                self._timed_graph = capture(self)
+                self._timed_graph = capture_graph(self)
                 self._timed_events = list(events)
             except Exception:
                 self._timed_graph_failed = True

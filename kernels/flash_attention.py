@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import dot_precision, tuned_config
+from .gemm import _check_rows, dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -231,15 +231,6 @@ def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
     rows = max(16, triton.next_power_of_2(T) * group_pad)
     cfg["BLOCK_M"] = max(min(cfg["BLOCK_M"], rows), group_pad)
     return cfg
-
-
-def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> None:
-    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
-        raise ValueError(f"{name} must have shape [{rows}, {cols}], got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.stride(1) != 1:
-        raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
 def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

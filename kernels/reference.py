@@ -51,6 +51,18 @@ def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tenso
     return y.to(out_dtype or x.dtype)
 
 
+def _gdn_qkv_heads(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
+    """Split the convolved [q | k | v] channels per head: q, k l2-normalised (q * dk^-0.5) and
+    repeated so value head h reads key head h // (hv // hk)."""
+    q = x[:hk * dk].view(hk, dk)
+    k = x[hk * dk:2 * hk * dk].view(hk, dk)
+    v = x[2 * hk * dk:].view(hv, dv)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * dk ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = hv // hk
+    return q.repeat_interleave(group, 0), k.repeat_interleave(group, 0), v
+
+
 def gdn_decode_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, *,
                    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                    eps: float):
@@ -66,14 +78,7 @@ def gdn_decode_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, 
     x = _round(F.silu(conv), dt)
     new_conv_state = torch.cat([conv_state[:, 1:], m[:, None].to(conv_state.dtype)], dim=1)
 
-    q = x[:hk * dk].view(hk, dk)
-    k = x[hk * dk:2 * hk * dk].view(hk, dk)
-    v = x[2 * hk * dk:].view(hv, dv)
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * dk ** -0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
-    group = hv // hk
-    q = q.repeat_interleave(group, 0)          # value head h reads key head h // group
-    k = k.repeat_interleave(group, 0)
+    q, k, v = _gdn_qkv_heads(x, hk, hv, dk, dv)
 
     b, a = ba[:hv], ba[hv:2 * hv]
     beta = _round(torch.sigmoid(b.float()), ba.dtype)
@@ -244,14 +249,7 @@ def gdn_decode_core_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_head
     dt = proj.dtype
     conv_dim = 2 * hk * dk + hv * dv
     x = proj[:conv_dim].float()
-    q = x[:hk * dk].view(hk, dk)
-    k = x[hk * dk:2 * hk * dk].view(hk, dk)
-    v = x[2 * hk * dk:].view(hv, dv)
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * dk ** -0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
-    group = hv // hk
-    q = q.repeat_interleave(group, 0)          # value head h reads key head h // group
-    k = k.repeat_interleave(group, 0)
+    q, k, v = _gdn_qkv_heads(x, hk, hv, dk, dv)
     b = proj[conv_dim + hv * dv:conv_dim + hv * dv + hv]
     a = proj[conv_dim + hv * dv + hv:conv_dim + hv * dv + 2 * hv]
     beta = _round(torch.sigmoid(b.float()), dt)
