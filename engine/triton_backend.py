@@ -80,6 +80,10 @@ class TritonBackend(Backend):
         # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
         # its weights while the previous kernel finishes. Measured +8% decode on the H200.
         gemv_mod.USE_PDL = os.environ.get("TRITONCHAT_PDL", "1") == "1"
+        # where a kernel lets the next one launch: measured inside the step by engine/tune_step.py
+        # (recorded in the decode table); TRITONCHAT_PDL_EARLY=0/1 overrides
+        early = os.environ.get("TRITONCHAT_PDL_EARLY")
+        gemv_mod.PDL_EARLY = (early == "1") if early in ("0", "1") else gemv_mod.table_pdl_early()
         self.cfg = cfg
         self.options = options
         self.device = torch.device(options.device)
@@ -250,7 +254,7 @@ class TritonBackend(Backend):
         nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
         self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
                      counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
-                     num_warps=p["num_warps"], **kw)
+                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), **kw)
 
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
@@ -292,24 +296,28 @@ class TritonBackend(Backend):
                        norm_w=L.post_norm, eps=eps, silu_mul=True)
             self._gemv("gemv_mlp_down", self.act, L.down, self.h, "none", "residual", residual=self.h)
 
-    def _head_step(self, sampled: bool) -> None:
-        """Final norm (fused), LM head and the choice of the next token into tok_buf (no host sync)."""
+    def _head_step(self, sampled: bool, advance: bool = False) -> None:
+        """Final norm (fused), LM head and the choice of the next token into tok_buf (no host
+        sync); the token is counted for the penalties and, with `advance`, pos_buf += 1 in the
+        same last kernel (no separate launches)."""
         from tritonchat.kernels import sampling as S
         E = self.lm_head_w
         eps = self.cfg.rms_norm_eps
         nbytes = E.numel() * E.element_size()
+        pos = self.pos_buf if advance else None
         if not sampled:
             lm = self._lm_plan
             self._launch("lm_head_norm_argmax", nbytes, S.lm_head_argmax, self.h, E, self.valid_vocab,
                          self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
-                         block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"])
+                         block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
+                         counts=self.counts, pos=pos)
         else:
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
                        eps=eps)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
                          valid_vocab=self.valid_vocab, top_k_max=self.top_k_max)
-        self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf)
+            self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf, pos)
 
     def _decode_step(self) -> None:
         """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
@@ -317,8 +325,7 @@ class TritonBackend(Backend):
         self._launch("embedding_gather", self.h.numel() * self.h.element_size() * 2, embedding_gather,
                      self.tok_buf, self.embed, self.h.view(1, -1))
         self._layers_step()
-        self._head_step(self._sampling_key == "sample")
-        self.pos_buf.add_(1)
+        self._head_step(self._sampling_key == "sample", advance=True)
 
     # -------------------------------------------------------------------- Backend API ----
     @property

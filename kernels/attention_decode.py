@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemv as _gemv
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 
@@ -71,7 +73,9 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
                               HD: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr,
                               NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
+                              DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     cdt = k_cache_ptr.dtype.element_ty
@@ -148,7 +152,9 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
 def _attn_decode_combine_kernel(part_ptr, qg_ptr, out_ptr, pos_ptr,
                                 HD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_N: tl.constexpr):
+                                BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)
     # grid (head, head_dim block): merge the (m, l, acc) partials of the splits that hold
     # positions (the same split arithmetic as the split kernel; the others are empty), in
     # split order, BLOCK_S at a time, so a short context reads few partials
@@ -262,10 +268,12 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, max_ctx, float(eps),
         float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=num_warps)
+        BLOCK_N=block_n, DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device),
+        num_warps=num_warps, **_gemv._launch_kw(qg.device))
     block_s = min(16, triton.next_power_of_2(num_splits))
     block_dc = min(block_d, 64)
     _attn_decode_combine_kernel[(H, triton.cdiv(hd, block_dc))](
         partials, qg, out, pos, HD=hd, NUM_SPLITS=num_splits,
-        BLOCK_S=block_s, BLOCK_D=block_dc, BLOCK_N=block_n, num_warps=2)
+        BLOCK_S=block_s, BLOCK_D=block_dc, BLOCK_N=block_n, PDL=_gemv.pdl_mode(qg.device),
+        num_warps=2, **_gemv._launch_kw(qg.device))
     return out

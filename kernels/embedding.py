@@ -9,12 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemv as _gemv
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _embedding_gather_kernel(ids_ptr, table_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
+def _embedding_gather_kernel(ids_ptr, table_ptr, out_ptr, D, BLOCK_D: tl.constexpr,
+                             PDL: tl.constexpr):
     # program (t, d-block): copy one slice of row ids[t]
+    _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
@@ -43,5 +48,6 @@ def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) 
         return out
     block_d = min(1024, triton.next_power_of_2(D))
     _embedding_gather_kernel[(T, triton.cdiv(D, block_d))](
-        ids, table, out, D, BLOCK_D=block_d, num_warps=4)
+        ids, table, out, D, BLOCK_D=block_d, PDL=_gemv.pdl_mode(out.device), num_warps=4,
+        **_gemv._launch_kw(out.device))
     return out

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemv as _gemv
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 L2NORM_EPS = 1e-6          # HF l2norm: inside the sqrt, added to the sum of squares
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this, as torch.nn.functional.softplus
@@ -201,6 +203,7 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
                      HK, HV, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                      L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr, PDL: tl.constexpr):
+    _gemv._pdl_start(PDL)
     h = tl.program_id(0)
     tile = tl.program_id(1)
     hk = h // GROUP
@@ -213,15 +216,18 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
     conv_dim = 2 * key_dim + HV * DV
     ba_off = conv_dim + HV * DV
 
-    # the recurrent state is this kernel's own (last written by the previous token's launch),
-    # so its tile is loaded before waiting for the producer of proj
+    # The recurrent state is this kernel's own (last written by the previous token's launch).
+    # With PDL mode 1 (the previous kernel let this one launch only after its own wait) that
+    # launch is complete, so the tile is loaded before waiting for the producer of proj. Mode 2
+    # lets launches run ahead by more than one kernel, so the state is read after the wait.
     s_ptrs = (state_ptr + h.to(tl.int64) * DK * DV + offs_k.to(tl.int64)[:, None] * DV
               + offs_v[None, :])
     s_mask = mk[:, None] & mv[None, :]
+    if PDL == 2:
+        _gemv._pdl_wait(PDL)
     S = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL != 2:
+        _gemv._pdl_wait(PDL)
 
     q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(proj_ptr + key_dim + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -293,10 +299,10 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     block_v = int(block_v or bv_plan)
     num_warps = int(num_warps or nw_plan)
     _expect(block_v >= 1 and block_v & (block_v - 1) == 0, "block_v must be a power of 2")
-    from .gemv import _launch_kw, pdl_active
+    from .gemv import _launch_kw, pdl_mode
     _gdn_core_kernel[(hv, triton.cdiv(dv, block_v))](
         proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, hk, hv, DK=dk, DV=dv,
         GROUP=hv // hk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_active(state.device),
+        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_mode(state.device),
         num_warps=num_warps, **_launch_kw(state.device))
     return o_out

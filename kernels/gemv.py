@@ -318,21 +318,40 @@ EPI_PLAIN, EPI_RESIDUAL, EPI_SILU_MUL, EPI_CONV = 0, 1, 2, 3
 _EPILOGUES = {"plain": EPI_PLAIN, "residual": EPI_RESIDUAL, "silu_mul": EPI_SILU_MUL,
               "conv": EPI_CONV}
 
-# Programmatic dependent launch (sm_90+): a PDL-launched GEMV issues its first weight loads, then
-# waits for the previous kernel (gdc_wait) before reading the activation vector. Off until the
-# lead measures it; the engine sets gemv.USE_PDL = True. Inactive under the interpreter and on
-# GPUs older than sm_90 whatever the flag says (see pdl_active()).
+# Programmatic dependent launch (sm_90+): a PDL-launched kernel issues its weight loads (which no
+# kernel writes), then waits for the previous kernel (gdc_wait) before reading activations.
+# Off until the engine sets gemv.USE_PDL = True. Inactive under the interpreter and on GPUs older
+# than sm_90 whatever the flag says (see pdl_active()). PDL_EARLY picks when a kernel lets the
+# next one launch (gdc_launch_dependents): at its very start (the next kernel's programs become
+# resident and start their weight prefetch while this one still runs; its gdc_wait still waits
+# for this grid to finish and flush) or only after its own wait.
 USE_PDL = False
+PDL_EARLY = False
+
+
+@lru_cache(maxsize=16)
+def _sm90_plus(kind: str, index: Optional[int]) -> bool:
+    if kind != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_active(device: torch.device) -> bool:
-    """Whether kernels launched now on `device` use programmatic dependent launch."""
+    """Whether kernels launched now on `device` use programmatic dependent launch (cheap: the
+    eager decode path asks at every launch)."""
     if not USE_PDL or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    return _sm90_plus(device.type, device.index)
+
+
+def pdl_mode(device: torch.device) -> int:
+    """The kernels' PDL constexpr: 0 off, 1 trigger the next kernel after the wait,
+    2 trigger it at kernel start (PDL_EARLY)."""
+    if not pdl_active(device):
+        return 0
+    return 2 if PDL_EARLY else 1
 
 
 def _launch_kw(device: torch.device) -> dict:
@@ -341,10 +360,18 @@ def _launch_kw(device: torch.device) -> dict:
 
 
 @triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    # first statement of a PDL kernel: with mode 2 the next kernel may launch right away
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _pdl_wait(PDL: tl.constexpr):
     # wait for the producer grid (and its memory) before touching activations
-    if PDL:
+    if PDL != 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         # let the next PDL-launched kernel start its own weight prefetch as SMs free up
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -362,8 +389,8 @@ def _rms_inv(v_ptr, n, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _w_tile(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """W[rows, ks] in fp32, streamed once; masks only where the shape is ragged."""
+def _w_load(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """W[rows, ks] in its storage dtype (a prefetch keeps it packed until used)."""
     if MASK_K:
         if MASK_N:
             m = row_mask[:, None] & k_ok[None, :]
@@ -376,7 +403,13 @@ def _w_tile(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constex
                         eviction_policy="evict_first")
         else:
             w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-    return w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _w_tile(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """W[rows, ks] in fp32, streamed once; masks only where the shape is ragged."""
+    return _w_load(w_rows, ks, row_mask, k_ok, MASK_N, MASK_K).to(tl.float32)
 
 
 @triton.jit
@@ -458,6 +491,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                        KW: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
                        MASK_N: tl.constexpr, MASK_K: tl.constexpr, PDL: tl.constexpr):
+    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     PAIR: tl.constexpr = EPI == 2
@@ -475,7 +509,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         h_lo = pid_s * K_PER_SPLIT
         h_hi = tl.minimum(h_lo + K_PER_SPLIT, n_heads)
         # first weight tile in flight before waiting for the producer kernel
-        w0 = _w_tile(g_rows, h_lo * DV + offs_k, row_mask, offs_k < DV, MASK_N, MASK_K)
+        w0 = _w_load(g_rows, h_lo * DV + offs_k, row_mask, offs_k < DV, MASK_N, MASK_K)
         _pdl_wait(PDL)
         offs_d = tl.arange(0, BLOCK_X)
         for hh in range(h_lo, h_hi):
@@ -489,7 +523,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                 x = _x_gated(x_ptr, z_ptr, nw_ptr, base, ds, d_ok, inv_rms, MASK_K)
                 if d0 == 0:
                     if hh == h_lo:
-                        w = w0                  # the tile prefetched before the wait
+                        w = w0.to(tl.float32)   # the tile prefetched before the wait
                     else:
                         w = _w_tile(g_rows, base + ds, row_mask, d_ok, MASK_N, MASK_K)
                 else:
@@ -499,17 +533,17 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         k_lo = pid_s * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         ks0 = k_lo + offs_k
-        w0 = _w_tile(g_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
+        w0 = _w_load(g_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
         if PAIR:
-            u0 = _w_tile(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
+            u0 = _w_load(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
         _pdl_wait(PDL)
         inv_rms = 1.0
         if PRO == 1:
             inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_X)
         x = _x_rms(x_ptr, nw_ptr, ks0, ks0 < k_hi, inv_rms, PRO, MASK_K)
-        acc += w0 * x[None, :]
+        acc += w0.to(tl.float32) * x[None, :]
         if PAIR:
-            acc_u += u0 * x[None, :]
+            acc_u += u0.to(tl.float32) * x[None, :]
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             ks = k0 + offs_k
             k_ok = ks < k_hi
@@ -546,6 +580,59 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
 
 
+@triton.jit
+def _fused_gemv_persistent_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+                                  conv_w_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
+                                  PRO: tl.constexpr, EPI: tl.constexpr, KW: tl.constexpr,
+                                  NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+                                  PDL: tl.constexpr):
+    # Persistent direct form (no split-K, prologue none/rms): NPROG programs (a few per SM)
+    # stride over the row blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first
+    # tile is loaded before the PDL wait, the input vector (and its norm) once per program, and
+    # each iteration loads the next row block's tile before reducing the current one (one tile
+    # of look-ahead). Few, resident programs leave room on the SMs for the next kernel's
+    # programs, which start their own weight prefetch while this one streams.
+    _pdl_start(PDL)
+    pid = tl.program_id(0)
+    PAIR: tl.constexpr = EPI == 2
+    n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    rows = pid * BLOCK_N + offs_n
+    row_mask = rows < N_OUT
+    w_cur = _w_load(w_ptr + rows.to(tl.int64)[:, None] * stride_w, ks, row_mask, k_ok, True, MASK_K)
+    u_cur = w_cur
+    if PAIR:
+        u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
+                        k_ok, True, MASK_K)
+    _pdl_wait(PDL)
+    inv_rms = 1.0
+    if PRO == 1:
+        inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_K)
+    x = _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
+    for rb in range(pid, n_blocks, NPROG):
+        rows = rb * BLOCK_N + offs_n
+        row_mask = rows < N_OUT
+        nrows = (rb + NPROG) * BLOCK_N + offs_n
+        nmask = nrows < N_OUT                       # past the last block: nothing is loaded
+        w_nxt = _w_load(w_ptr + nrows.to(tl.int64)[:, None] * stride_w, ks, nmask, k_ok, True,
+                        MASK_K)
+        u_nxt = w_nxt
+        if PAIR:
+            u_nxt = _w_load(w_ptr + (nrows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, nmask,
+                            k_ok, True, MASK_K)
+        y = tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
+        up = y
+        if PAIR:
+            up = tl.sum(u_cur.to(tl.float32) * x[None, :], axis=1)
+        _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
+                        CONV_DIM, EPI, KW)
+        w_cur = w_nxt
+        u_cur = u_nxt
+
+
 def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
                          silu_mul: bool = False) -> dict:
     """Fallback launch plan for a fused GEMV: dict(split_k, block_n, block_k, num_warps)."""
@@ -578,6 +665,31 @@ def decode_table() -> dict:
         return {}
 
 
+@lru_cache(maxsize=8)
+def _sm_count_cached(kind: str, index: int) -> int:
+    if kind == "cuda":
+        return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return 4        # the interpreter: a few "SMs", so tests cover programs striding over blocks
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (4 for a CPU device under the interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _sm_count_cached("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count_cached(device.type, 0)
+
+
+def table_pdl_early() -> bool:
+    """The PDL trigger point the in-step tuner measured best (engine/tune_step.py), else False
+    (trigger after the wait: measured 2% faster in the step on the H200)."""
+    try:
+        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
+            return bool(json.load(f).get("in_step", {}).get("pdl_early", False))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
 def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
     """Table key of a fused GEMV: e.g. 'gemv:8224x1024:rms:conv'."""
     return f"gemv:{n_out}x{k}:{prologue}:{epilogue}"
@@ -591,10 +703,12 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
     if e is not None:
         try:
             p = dict(split_k=int(e["split_k"]), block_n=int(e["block_n"]),
-                     block_k=int(e["block_k"]), num_warps=int(e["num_warps"]))
+                     block_k=int(e["block_k"]), num_warps=int(e["num_warps"]),
+                     persistent=int(e.get("persistent", 0)))
             if not split_k_enabled and p["split_k"] > 1:
                 p = dict(split_k=1, block_n=int(e["direct_block_n"]), block_k=int(e["direct_block_k"]),
-                         num_warps=int(e["direct_num_warps"]))
+                         num_warps=int(e["direct_num_warps"]),
+                         persistent=int(e.get("direct_persistent", 0)))
             if prologue != "gated" or p["block_k"] <= triton.next_power_of_2(head_dim):
                 return p
         except (KeyError, TypeError, ValueError):
@@ -622,7 +736,8 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                conv_state: Optional[torch.Tensor] = None, conv_w: Optional[torch.Tensor] = None,
                split_k: Optional[int] = None, partials: Optional[torch.Tensor] = None,
                counters: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-               block_k: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+               block_k: Optional[int] = None, num_warps: Optional[int] = None,
+               persistent: Optional[int] = None) -> torch.Tensor:
     """One fused decode GEMV (see the block comment above); returns out.
 
     Prologue: none; `norm_w` alone = zero-centred RMSNorm of x (norm_w [K]); `norm_w` + `gate`
@@ -632,7 +747,9 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     first C rows (state updated in place). The norm is rounded to x.dtype, the conv to
     out.dtype.
     split_k > 1 needs `partials` (fp32) and `counters` (int32, zeroed once) of
-    fused_scratch_numel() elements. Block sizes default to fused_plan(). Never allocates/syncs."""
+    fused_scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
+    P programs per SM stride over the row blocks, each row's whole K one tile (block_k is
+    ignored). Block sizes default to fused_plan(). Never allocates/syncs."""
     _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in _DTYPES,
             "gemv_fused: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
@@ -683,6 +800,10 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                 f"gemv_fused: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
 
     p = fused_plan(n_out, K, pro_name, epi_name, dv)
+    if persistent is None:
+        # the plan's persistent form applies only when the caller keeps the plan's direct form
+        persistent = p.get("persistent", 0) if split_k in (None, 1) and block_n is None else 0
+    persistent = int(persistent)
     split_k = int(p["split_k"] if split_k is None else split_k)
     block_n = int(block_n or p["block_n"])
     block_k = int(block_k or p["block_k"])
@@ -704,6 +825,21 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         block_x = min(1024, triton.next_power_of_2(K))
     grid_s = triton.cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
     n_blocks = triton.cdiv(n_out, block_n)
+    res = residual if residual is not None else out
+    cs = conv_state if conv_state is not None else out
+    cw = conv_w if conv_state is not None else out
+    if persistent > 0:
+        _expect(pro != PRO_GATED, "gemv_fused: the persistent form takes no gated-norm prologue")
+        _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
+        bk = max(16, triton.next_power_of_2(K))
+        n_blocks = triton.cdiv(n_out, block_n)
+        nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
+        _fused_gemv_persistent_kernel[(nprog,)](
+            x, norm_w if norm_w is not None else x, W, out, res, cs, cw, n_out, K, W.stride(0),
+            float(eps), conv_dim, PRO=pro, EPI=epi, KW=kw, NPROG=nprog, BLOCK_N=block_n,
+            BLOCK_K=bk, MASK_K=K != bk, PDL=pdl_mode(dev), num_warps=num_warps,
+            **_launch_kw(dev))
+        return out
     part, cnt = out, out                     # dummies, never touched when SPLIT_K == 1
     if grid_s > 1:
         need_p, need_c = fused_scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
@@ -717,16 +853,13 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                 and counters.device == dev,
                 f"gemv_fused: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
         part, cnt = partials, counters
-    res = residual if residual is not None else out
     z = gate if gate is not None else x
     nw = norm_w if norm_w is not None else x
-    cs = conv_state if conv_state is not None else out
-    cw = conv_w if conv_state is not None else out
     _fused_gemv_kernel[(n_blocks, grid_s)](
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_X=block_x, MASK_N=n_out % block_n != 0, MASK_K=mask_k,
-        PDL=pdl_active(dev), num_warps=num_warps, **_launch_kw(dev))
+        PDL=pdl_mode(dev), num_warps=num_warps, **_launch_kw(dev))
     return out
 
 

@@ -114,17 +114,19 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
                     BLOCK_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
                     PDL: tl.constexpr):
     # PRO = 1: the final zero-centred RMSNorm of h is this GEMV's prologue (rounded to h.dtype)
+    _gemv._pdl_start(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < V
     offs_k = tl.arange(0, BLOCK_K)
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e
-    w0 = _gemv._w_tile(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
+    w0 = _gemv._w_load(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
     _gemv._pdl_wait(PDL)
     inv_rms = 1.0
     if PRO == 1:
         inv_rms = _gemv._rms_inv(h_ptr, K, eps, BLOCK_X)
-    acc = w0 * _gemv._x_rms(h_ptr, nw_ptr, offs_k, offs_k < K, inv_rms, PRO, MASK_K)[None, :]
+    acc = w0.to(tl.float32) * _gemv._x_rms(h_ptr, nw_ptr, offs_k, offs_k < K, inv_rms, PRO,
+                                          MASK_K)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < K
@@ -137,7 +139,13 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
 
 
 @triton.jit
-def _argmax_keys_kernel(part_ptr, n, token_ptr, BLOCK: tl.constexpr):
+def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
+                        BLOCK: tl.constexpr, COUNT: tl.constexpr, ADVANCE: tl.constexpr,
+                        PDL: tl.constexpr):
+    # the per-block keys -> token; COUNT: counts[row_offset + token] += 1 (the generated-token
+    # row the penalties read); ADVANCE: pos += 1 (the step's last write)
+    _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)
     best = tl.full((BLOCK,), _KEY_EMPTY, dtype=tl.int64)
     for i0 in range(0, n, BLOCK):
         offs = i0 + tl.arange(0, BLOCK)
@@ -145,6 +153,11 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, BLOCK: tl.constexpr):
                                         other=_KEY_EMPTY))
     tok = _unpack_idx(tl.max(best, axis=0))
     tl.store(token_ptr, tok.to(token_ptr.dtype.element_ty))
+    if COUNT:
+        c = tl.load(counts_ptr + row_offset + tok.to(tl.int64))
+        tl.store(counts_ptr + row_offset + tok.to(tl.int64), c + 1)
+    if ADVANCE:
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
 
 
 def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
@@ -170,12 +183,14 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    logits_out: torch.Tensor, token_out: torch.Tensor, partials: torch.Tensor,
                    *, norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
                    block_n: Optional[int] = None, block_k: Optional[int] = None,
-                   num_warps: Optional[int] = None) -> torch.Tensor:
+                   num_warps: Optional[int] = None, counts: Optional[torch.Tensor] = None,
+                   pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
     zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
-    raw residual stream. Returns token_out."""
+    raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted as update_counts
+    does; `pos` (one int on the device): pos += 1 after the token is chosen. Returns token_out."""
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
@@ -207,11 +222,35 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                            PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
                            BLOCK_K=block_k, BLOCK_X=min(1024, triton.next_power_of_2(D)),
                            MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
-                           PDL=_gemv.pdl_active(h.device), num_warps=num_warps,
+                           PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
                            **_gemv._launch_kw(h.device))
-    _argmax_keys_kernel[(1,)](partials, nb, token_out,
-                              BLOCK=min(1024, triton.next_power_of_2(nb)), num_warps=4)
+    # one program, one pass over the keys when they fit (16 warps hold 16K keys)
+    block = min(ARGMAX_BLOCK_MAX, triton.next_power_of_2(nb))
+    _argmax_keys_kernel[(1,)](partials, nb, token_out, *_count_args(counts, token_out, pos),
+                              BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
+                              PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
+                              **_gemv._launch_kw(h.device))
     return token_out
+
+
+ARGMAX_BLOCK_MAX = 16384      # keys the final argmax reduces per pass (loops past it)
+
+
+def _count_args(counts: Optional[torch.Tensor], token: torch.Tensor,
+                pos: Optional[torch.Tensor]) -> tuple:
+    """(counts, row_offset, pos) kernel arguments of the fused count / position update, with
+    the token buffer as a never-touched dummy for what is absent."""
+    if counts is not None:
+        if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
+            raise ValueError("counts must be contiguous int32 [V] or [2, V]")
+        if counts.device != token.device:
+            raise ValueError("counts and token must be on one device")
+    if pos is not None:
+        if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != token.device:
+            raise ValueError("pos must be a one-element int32/int64 tensor on the token's device")
+    row_offset = counts.shape[-1] if counts is not None and counts.dim() == 2 else 0
+    return (counts if counts is not None else token, row_offset,
+            pos if pos is not None else token)
 
 
 # ------------------------------------------------------------------------------------------
@@ -341,10 +380,15 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
 
 
 @triton.jit
-def _update_counts_kernel(counts_ptr, token_ptr, row_offset):
+def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ADVANCE: tl.constexpr,
+                          PDL: tl.constexpr):
+    _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)
     tok = tl.load(token_ptr).to(tl.int64)
     c = tl.load(counts_ptr + row_offset + tok)
     tl.store(counts_ptr + row_offset + tok, c + 1)
+    if ADVANCE:
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
 
 
 def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
@@ -437,17 +481,21 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
     return token_out
 
 
-def update_counts(counts: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def update_counts(counts: torch.Tensor, token: torch.Tensor,
+                  pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """counts[last row][token[0]] += 1 on the device (the generated-token row of a [2, V]
-    counts tensor, or the only row of a [V] one). Returns counts."""
+    counts tensor, or the only row of a [V] one); with `pos` (one int on the device) also
+    pos += 1. Returns counts."""
     if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
         raise ValueError("update_counts: counts must be contiguous int32 [V] or [2, V]")
     if token.dtype not in (torch.int32, torch.int64) or token.numel() < 1:
         raise ValueError("update_counts: token must be an int32/int64 device tensor")
     if token.device != counts.device:
         raise ValueError("update_counts: counts and token must be on one device")
-    row_offset = counts.shape[-1] if counts.dim() == 2 else 0
-    _update_counts_kernel[(1,)](counts, token, row_offset, num_warps=1)
+    c, row_offset, p = _count_args(counts, token, pos)
+    _update_counts_kernel[(1,)](c, token, row_offset, p, ADVANCE=pos is not None,
+                                PDL=_gemv.pdl_mode(token.device), num_warps=1,
+                                **_gemv._launch_kw(token.device))
     return counts
 
 

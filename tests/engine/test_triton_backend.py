@@ -54,6 +54,26 @@ def test_interpreter_greedy_equals_reference(ckpt, split_k):
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
+    """Every GEMV that can take the persistent direct form (what the in-step tuner may pick)
+    switched to it: the engine still decodes the reference's tokens and logits."""
+    if "odd" in str(ckpt):
+        pytest.skip("one checkpoint is enough here (the interpreter is slow)")
+    cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
+    switched = 0
+    for key, plan in tri._fplans.items():
+        if key[1] != "gated":
+            tri._fplans[key] = dict(plan, split_k=1, persistent=1)
+            switched += 1
+    assert switched >= 4
+    prompt = list(range(3, 3 + 21))
+    a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
+    b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_sampling_reproducible_and_in_vocab(ckpt):
     if "odd" in str(ckpt):
         pytest.skip("sampling is shape-independent; covered on one checkpoint (the interpreter is slow)")

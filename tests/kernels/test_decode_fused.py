@@ -112,6 +112,61 @@ def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
         assert not cnt.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_rows,K,block_n", [
+    (74, 200, 8),      # 10 row blocks over 4 programs (the interpreter's "SMs"), K masked
+    (1, 16, 1),        # one row, one program
+    (64, 256, 4),      # 16 blocks: each program takes 4, no masks
+    (33, 48, 32),      # one partial block
+])
+@pytest.mark.parametrize("epilogue", ["plain", "residual_inplace", "silu_mul", "conv"])
+def test_gemv_fused_persistent_form(epilogue, n_rows, K, block_n, dtype):
+    """The persistent direct form (programs striding over row blocks, one tile of look-ahead)
+    equals the reference for every epilogue, with and without the RMSNorm prologue."""
+    if epilogue == "silu_mul" and n_rows % 2:
+        n_rows += 1
+    g = torch.Generator().manual_seed(n_rows * 7 + K + len(epilogue))
+    h = _vec(K, g, 3.0, dtype)
+    norm_w = _vec(K, g, 0.2, dtype)
+    W = _vec(n_rows * K, g, K ** -0.5, dtype).view(n_rows, K)
+    silu = epilogue == "silu_mul"
+    n_out = n_rows // 2 if silu else n_rows
+    for nw in (norm_w, None):
+        kw, ref_kw = {}, {}
+        if epilogue == "residual_inplace":
+            res = _vec(n_out, g, 1.0, dtype)
+            out = res.clone()
+            kw, ref_kw = dict(residual=out), dict(residual=res)
+        else:
+            out = torch.full((n_out,), float("nan"), device=DEVICE, dtype=dtype)
+        if silu:
+            kw = ref_kw = dict(silu_mul=True)
+        if epilogue == "conv":
+            C, kwid = min(45, n_out), 4
+            conv_w = _vec(C * kwid, g, 0.5, dtype).view(C, kwid)
+            conv_state = _vec(C * (kwid - 1), g, 1.0, dtype).view(C, kwid - 1)
+            ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
+            kw = dict(conv_state=conv_state, conv_w=conv_w)
+        want, want_state = gemv_fused_ref(h, W, norm_w=nw, eps=EPS, out_dtype=dtype, **ref_kw)
+        gemv_fused(h, W, out, norm_w=nw, eps=EPS, split_k=1, block_n=block_n, num_warps=4,
+                   persistent=1, **kw)
+        torch.testing.assert_close(out, want, **_tol(dtype))
+        if epilogue == "conv":
+            torch.testing.assert_close(conv_state, want_state, **_tol(dtype))
+
+
+def test_gemv_fused_persistent_form_refuses_what_it_cannot_do():
+    g = torch.Generator().manual_seed(3)
+    x, W = _vec(64, g), _vec(16 * 64, g).view(16, 64)
+    out = torch.empty(16, device=DEVICE)
+    with pytest.raises(ValueError, match="persistent"):
+        gemv_fused(x, W, out, split_k=2, persistent=1,
+                   partials=torch.zeros(64, device=DEVICE), counters=torch.zeros(16, device=DEVICE, dtype=torch.int32))
+    with pytest.raises(ValueError, match="persistent"):
+        gemv_fused(x, W, out, norm_w=_vec(32, g), gate=_vec(64, g), head_dim=32, split_k=1,
+                   block_k=32, persistent=1)
+
+
 def test_gemv_fused_split_k_reproducible_and_replayable():
     # the same launch twice (as a graph replay would) gives bit-identical results, and a split
     # count that differs only in summation order stays within fp32 noise
@@ -378,6 +433,18 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         build(C._gdn_core_kernel, core_args,
               dict(DK=128, DV=128, GROUP=1, BLOCK_K=128, BLOCK_V=bv, L2_EPS=1e-6,
                    SP_THRESHOLD=20.0, PDL=True), 4)
+    # the persistent direct form, with the trigger-at-start PDL mode (2)
+    pers_args = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                     res_ptr="*bf16", conv_state_ptr="*bf16", conv_w_ptr="*bf16", N_OUT="i32",
+                     K="i32", stride_w="i32", eps="fp32", CONV_DIM="i32")
+    for pro, epi, bn, bk, pdl in ((1, 3, 8, 1024, 2), (1, 2, 4, 1024, 1), (0, 1, 4, 4096, 1)):
+        build(G._fused_gemv_persistent_kernel, pers_args,
+              dict(PRO=pro, EPI=epi, KW=4, NPROG=132, BLOCK_N=bn, BLOCK_K=bk,
+                   MASK_K=bk == 4096, PDL=pdl), 8)
+    # the step's last kernel: argmax of the keys + token count + position advance
+    build(S._argmax_keys_kernel, dict(part_ptr="*i64", n="i32", token_ptr="*i64",
+                                      counts_ptr="*i32", row_offset="i32", pos_ptr="*i32"),
+          dict(BLOCK=16384, COUNT=True, ADVANCE=True, PDL=2), 16)
     lm_args = dict(h_ptr="*bf16", nw_ptr="*bf16", e_ptr="*bf16", logits_ptr="*fp32",
                    part_ptr="*i64", V="i32", VALID="i32", K="i32", stride_e="i32", eps="fp32")
     build(S._lm_head_kernel, lm_args,
@@ -553,12 +620,18 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
                      ' "block_k": 64, "num_warps": 8},'
                      '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2},'
                      '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
-                     ' "num_warps": 8}]}')
+                     ' "num_warps": 8},'
+                     '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
+                     ' "block_k": 1024, "num_warps": 4, "persistent": 2}]}')
     monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
     gemv_mod.decode_table.cache_clear()
     try:
         assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == dict(
-            split_k=4, block_n=4, block_k=64, num_warps=8)
+            split_k=4, block_n=4, block_k=64, num_warps=8, persistent=0)
+        # the in-step tuner's persistent form is read, and kept when split-K is switched off
+        want = dict(split_k=1, block_n=4, block_k=1024, num_warps=4, persistent=2)
+        assert gemv_mod.fused_plan(1024, 3584, "none", "residual") == want
+        assert gemv_mod.fused_plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
         # an entry whose block_k exceeds the head would be invalid: the heuristic wins
         assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
         assert gdn_mod._core_plan(16, 128, 128) == (32, 2)
@@ -599,3 +672,42 @@ def test_tune_decode_quick_grid_is_small_and_valid():
             assert p["block_n"] * p["block_k"] <= 8192
             assert pro != "gated" or p["block_k"] <= td.DV
     assert 0 < total <= 80                       # ~2 s a config on the device: < 4 minutes
+
+
+def test_in_step_tuner_candidates_are_valid_plans():
+    """engine/tune_step.py's candidates: the persistent form only where the kernel has it
+    (no gated prologue, direct form), tiles gemv_fused accepts, persistent ones first."""
+    from tritonchat.engine import tune_step as ts
+    from tritonchat.kernels import tune_decode as td
+    for _key, n_out, k, pro, epi, _what in td.GEMVS:
+        cands = list(ts._gemv_candidates(n_out, k, pro, td.DV if pro == "gated" else 0,
+                                         epi == "silu_mul"))
+        assert cands and len(cands) <= 48
+        flags = [bool(c["persistent"]) for c in cands]
+        assert flags == sorted(flags, reverse=True)      # the structural candidates first
+        for c in cands:
+            assert c["block_n"] & (c["block_n"] - 1) == 0 and c["block_k"] >= 16
+            assert c["block_k"] & (c["block_k"] - 1) == 0 and 1 <= c["split_k"] <= 8
+            if c["persistent"]:
+                assert pro != "gated" and c["split_k"] == 1
+            if pro == "gated":
+                assert c["block_k"] <= td.DV
+
+
+def test_in_step_tuner_needs_a_gpu(capsys):
+    from tritonchat.engine import tune_step as ts
+    if torch.cuda.is_available():
+        pytest.skip("runs the real tuner on a GPU")
+    assert ts.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_pdl_trigger_point_comes_from_the_table(tmp_path, monkeypatch):
+    import json
+    table = tmp_path / "t.json"
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    assert gemv_mod.table_pdl_early() is False                    # no table: after the wait
+    table.write_text(json.dumps({"entries": [], "in_step": {"pdl_early": True}}))
+    assert gemv_mod.table_pdl_early() is True
+    table.write_text("not json")
+    assert gemv_mod.table_pdl_early() is False

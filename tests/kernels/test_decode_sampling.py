@@ -56,7 +56,7 @@ def test_lm_head_argmax_padding_and_ties():
 
 
 def test_lm_head_argmax_many_blocks():
-    # 1050 row blocks: the final reduce loops over more than one 1024-wide chunk
+    # 1050 row blocks: the final reduce reads them in one 2048-wide pass
     g = torch.Generator().manual_seed(2)
     n, D = 2100, 16
     h = torch.randn(D, generator=g).to(DEVICE)
@@ -64,6 +64,53 @@ def test_lm_head_argmax_many_blocks():
     E[2061] = h * 3                          # the winner sits in the last chunk
     logits, tok = _lm_head(h, E, 2080, block_n=2, block_k=16)
     assert tok == 2061 == lm_head_argmax_ref(h, E, 2080)[1]
+
+
+def test_lm_head_argmax_reduce_loops_past_one_pass(monkeypatch):
+    # 1050 row blocks with the reduce capped at 256 keys per pass: it loops 5 times
+    import tritonchat.kernels.sampling as S
+    monkeypatch.setattr(S, "ARGMAX_BLOCK_MAX", 256)
+    g = torch.Generator().manual_seed(5)
+    n, D = 2100, 16
+    h = torch.randn(D, generator=g).to(DEVICE)
+    E = torch.randn(n, D, generator=g).to(DEVICE)
+    E[2061] = h * 3                          # the winner sits in the last pass
+    logits, tok = _lm_head(h, E, 2080, block_n=2, block_k=16)
+    assert tok == 2061 == lm_head_argmax_ref(h, E, 2080)[1]
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_lm_head_argmax_counts_token_and_advances_position(pos_dtype):
+    # the step's last kernel also counts the token (generated row) and moves pos by one
+    g = torch.Generator().manual_seed(6)
+    D = 32
+    h = torch.randn(D, generator=g).to(DEVICE)
+    E = torch.randn(V, D, generator=g).to(DEVICE)
+    want = lm_head_argmax_ref(h, E, VALID)[1]
+    counts = build_counts([want, 3], [want], V, device=DEVICE)
+    pos = torch.tensor([41], device=DEVICE, dtype=pos_dtype)
+    logits = torch.empty(V, device=DEVICE)
+    tok = torch.empty(1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(V, 4), device=DEVICE, dtype=torch.int64)
+    for step in range(2):
+        lm_head_argmax(h, E, VALID, logits, tok, part, block_n=4, block_k=16, counts=counts,
+                       pos=pos)
+        assert int(tok[0]) == want
+        assert int(counts[1, want]) == 2 + step and int(counts[0, want]) == 1
+        assert int(pos[0]) == 42 + step
+    assert int(counts.sum()) == 5
+    # without pos the position is left alone; without counts nothing is counted
+    lm_head_argmax(h, E, VALID, logits, tok, part, block_n=4, block_k=16)
+    assert int(pos[0]) == 43 and int(counts.sum()) == 5
+
+
+def test_update_counts_advances_position_when_given():
+    counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
+    pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
+    tok = torch.tensor([9], device=DEVICE, dtype=torch.int64)
+    update_counts(counts, tok, pos)
+    update_counts(counts, tok)
+    assert int(counts[1, 9]) == 2 and int(counts.sum()) == 2 and int(pos[0]) == 8
 
 
 # ------------------------------------------------------------------------------------------

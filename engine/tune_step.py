@@ -1,0 +1,250 @@
+"""Tune the decode launch plans inside the real decode step (GPU only).
+
+    python -m tritonchat.engine.tune_step --out kernels/decode_tuning.json [--budget-s 300]
+
+`tritonchat.kernels.tune_decode` times every kernel alone; inside the step a kernel overlaps its
+neighbours (programmatic dependent launch lets the next kernel's programs prefetch weights while
+this one runs), so the fastest kernel alone is not always the fastest in the step. This tool
+builds the Triton engine at the true 0.8B shape on random weights, captures the decode step into
+a CUDA graph and measures whole steps (graph replays back to back, the position reset to the
+same value before every measurement so the attention work is identical). Then, one kernel at a
+time, it swaps that kernel's plan for each candidate, re-captures, and keeps a candidate only
+when the whole step gets faster by more than the noise margin (coordinate descent, two passes
+when the time budget allows). The PDL trigger point (gemv.PDL_EARLY) is measured both ways
+first. The winners are written into the decode table (the launchers read it by key), each entry
+keeping its isolated `us` and the best direct (split_k = 1) form for "split-K off", and the file
+records the step time before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+KEEP_MARGIN = 0.99      # a candidate must cut the step by > 1% (then confirmed) to replace the plan
+
+
+def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
+    """Median ms of one decode step: graph replays back to back from position `pos`."""
+    from .graph import replay_or_capture
+    if be._graph is None:
+        replay_or_capture(be)                   # captures (JIT first) and runs one step
+    g = be._graph
+    times = []
+    for _ in range(reps):
+        be.pos_buf.fill_(pos)
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(n):
+            g.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) / n)
+    return statistics.median(times)
+
+
+def _gemv_candidates(n_out: int, k: int, prologue: str, head_dim: int, silu_mul: bool = False):
+    """Plans to try for one GEMV: the persistent direct form first (the structural candidate),
+    then tiles x warps x split-K of the grid form."""
+    small = n_out <= 2048
+    if prologue != "gated":
+        kp = max(16, 1 << (k - 1).bit_length())
+        for per_sm in (1, 2):
+            for bn in (2, 4, 8, 16):
+                if not 2048 <= bn * kp * (2 if silu_mul else 1) <= 16384:
+                    continue
+                for nw in (4, 8):
+                    yield dict(block_n=bn, block_k=min(kp, 1024), num_warps=nw, split_k=1,
+                               persistent=per_sm)
+    if prologue == "gated":
+        bks = [64, 128]
+    else:
+        bks = [256, 512, 1024] if k <= 1024 else [256, 512]
+    bns = [2, 4, 8, 16, 32] if small else [4, 8, 16, 32]
+    splits = [1, 2, 4, 8] if small else [1]
+    for bk in bks:
+        if prologue == "gated" and bk > head_dim:
+            continue
+        for bn in bns:
+            if not 1024 <= bn * bk <= 16384:
+                continue
+            for nw in ([4, 8] if bn * bk >= 8192 else [4]):
+                for s in splits:
+                    if s > 1 and (k // (head_dim if prologue == "gated" else bk)) < 2 * s:
+                        continue
+                    yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=s, persistent=0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="decode table to update (default: the packaged one)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop trying candidates after this")
+    ap.add_argument("--pos", type=int, default=640, help="position the measured steps decode at")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_step needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from tritonchat.kernels import gemv as G
+    from tritonchat.kernels import sampling as S
+
+    from .api import EngineOptions
+    from .config import qwen35_08b_config
+    from .loader import random_backend
+
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    out_path = args.out or G.DECODE_TABLE_PATH
+    t_start = time.time()
+    cfg = qwen35_08b_config()
+    be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
+                                           max_context=4096, split_k=True, graph=True))
+    from .api import SamplingParams
+    be.prefill(list(range(1000, 1128)))
+    be.begin_sampling(SamplingParams(greedy=True), [])     # the greedy step: LM head + argmax
+    be.sample()
+    # split-K scratch for any candidate (the engine sizes it for the plans it holds)
+    be.gemv_partials = torch.zeros(64 * 2 * 8224, device=be.device, dtype=torch.float32)
+    be.gemv_counters = torch.zeros(8224, device=be.device, dtype=torch.int32)
+    table = G.decode_table()                     # the launchers' dict: edited in place
+
+    def measure() -> float:
+        be._invalidate_graph()
+        return _step_ms(be, args.pos)
+
+    # 1. where a kernel lets the next one launch
+    res = {}
+    for early in (False, True):
+        G.PDL_EARLY = early
+        res[early] = measure()
+        log(f"PDL trigger {'at start' if early else 'after wait'}: {res[early]:.4f} ms/step")
+    G.PDL_EARLY = res[True] < res[False]
+    base = min(res.values())
+    start_ms = base
+    log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), PDL_EARLY={G.PDL_EARLY}")
+
+    # 2. coordinate descent over the GEMV plans, the GDN core and the LM head
+    keys = [k for k in be._fplans if k[0][0] != cfg.vocab_size]   # the sampled LM head: not in the greedy step
+    deadline = t_start + args.budget_s
+    changed = {}
+    for sweep in range(2):
+        improved = False
+        # every key's persistent candidates first (the structural change), then the tile grid
+        queue = []
+        for persistent_pass in (True, False):
+            for key in keys:
+                (rows, k), pro, epi = key
+                n_out = rows // 2 if epi == "silu_mul" else rows
+                hd = cfg.linear_value_head_dim if pro == "gated" else 0
+                for cand in _gemv_candidates(n_out, k, pro, hd, epi == "silu_mul"):
+                    if bool(cand["persistent"]) == persistent_pass:
+                        queue.append((key, n_out, k, pro, epi, cand))
+        for key, n_out, k, pro, epi, cand in queue:
+            if time.time() > t_start + 0.8 * args.budget_s:     # leave time for core / LM head
+                break
+            cur = dict(be._fplans[key])
+            if all(cand.get(x, 0) == cur.get(x, 0) for x in cand):
+                continue
+            be._fplans[key] = cand
+            try:
+                ms = measure()
+            except Exception as e:  # noqa: BLE001 - a plan that does not compile/launch
+                log(f"  skip {key} {cand}: {type(e).__name__}: {str(e)[:80]}")
+                be._fplans[key] = cur
+                continue
+            if ms < base * KEEP_MARGIN:
+                # confirm against the current plan measured again now (clocks drift)
+                be._fplans[key] = cur
+                base = min(base, measure())
+                be._fplans[key] = cand
+                ms = min(ms, measure())
+            if ms < base * KEEP_MARGIN:
+                log(f"  {G.fused_key(n_out, k, pro, epi)} {cur} -> {cand}: {base:.4f} -> {ms:.4f} ms")
+                base, improved = ms, True
+                changed[G.fused_key(n_out, k, pro, epi)] = dict(cand)
+            else:
+                be._fplans[key] = cur
+        # GDN core tile / warps
+        core_key = f"gdn_core:{cfg.linear_num_value_heads}x{cfg.linear_key_head_dim}x{cfg.linear_value_head_dim}"
+        cur_e = dict(table.get(core_key, {}))
+        for bv in (8, 16, 32, 64):
+            for nw in (1, 2, 4, 8):
+                if time.time() > deadline:
+                    break
+                if cur_e.get("block_v") == bv and cur_e.get("num_warps") == nw:
+                    continue
+                table[core_key] = dict(cur_e, key=core_key, block_v=bv, num_warps=nw)
+                try:
+                    ms = measure()
+                except Exception as e:  # noqa: BLE001
+                    log(f"  skip core {bv}/{nw}: {type(e).__name__}")
+                    continue
+                if ms < base * KEEP_MARGIN:
+                    log(f"  {core_key} -> block_v {bv} warps {nw}: {base:.4f} -> {ms:.4f} ms")
+                    base, improved = ms, True
+                    cur_e = dict(table[core_key])
+                    changed[core_key] = dict(block_v=bv, num_warps=nw)
+        table[core_key] = cur_e
+        # LM head (greedy, fused norm + argmax)
+        lm_cur = dict(be._lm_plan)
+        for bn in (4, 8, 16, 32):
+            for bk in (256, 512, 1024):
+                for nw in (4, 8):
+                    if time.time() > deadline or bn * bk > 16384 or bn * bk < 2048:
+                        continue
+                    cand = dict(block_n=bn, block_k=bk, num_warps=nw)
+                    if cand == lm_cur:
+                        continue
+                    be._lm_plan = cand
+                    be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, bn),
+                                                      device=be.device, dtype=torch.int64)
+                    try:
+                        ms = measure()
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  skip lm_head {cand}: {type(e).__name__}")
+                        continue
+                    if ms < base * KEEP_MARGIN:
+                        log(f"  lm_head {lm_cur} -> {cand}: {base:.4f} -> {ms:.4f} ms")
+                        base, lm_cur, improved = ms, cand, True
+                        changed[f"lm_head:{cfg.vocab_size}x{cfg.hidden_size}:rms"] = dict(cand)
+        be._lm_plan = lm_cur
+        be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm_cur["block_n"]),
+                                          device=be.device, dtype=torch.int64)
+        if not improved or time.time() > deadline:
+            break
+    final = measure()
+    log(f"final: {final:.4f} ms/step ({1e3 / final:.0f} tok/s) from {start_ms:.4f} ms "
+        f"({time.time() - t_start:.0f} s)")
+
+    # 3. write the winners into the table file
+    with open(out_path, "r", encoding="utf-8") as f:
+        data = json.load(f)
+    by_key = {e["key"]: e for e in data.get("entries", [])}
+    for key, plan in changed.items():
+        e = by_key.get(key)
+        if e is None:
+            e = {"key": key}
+            data.setdefault("entries", []).append(e)
+            by_key[key] = e
+        e.update(plan)
+        e.pop("us", None)           # isolated timings of the plan this one replaced
+        e.pop("gb_s", None)
+        e["chosen_in_step"] = True
+    data["in_step"] = {"pdl_early": bool(G.PDL_EARLY), "step_ms_before": round(start_ms, 4),
+                       "step_ms_after": round(final, 4), "pos": args.pos,
+                       "pdl_trigger_ms": {"after_wait": round(res[False], 4), "at_start": round(res[True], 4)},
+                       "seconds": round(time.time() - t_start, 1)}
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    log(f"wrote {out_path} ({len(changed)} plans changed)")
+    be.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
