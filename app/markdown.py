@@ -148,7 +148,9 @@ class _Renderer:
         s = self.s
         body = highlight(code, lang, s.syntax) if code else "&nbsp;"
         label = html.escape(lang) if lang else "code"
-        # Qt rich text: a one-column table is the reliable way to get a shaded box.
+        # Qt rich text: a one-column table is the reliable way to get a shaded box. The code
+        # keeps its spaces and line breaks but wraps a line longer than the bubble
+        # (pre-wrap): the message has no horizontal scroll bar, so nothing is clipped.
         return (
             f'<table width="100%" cellspacing="0" cellpadding="0" border="0" '
             f'style="margin-top:4px; margin-bottom:10px;">'
@@ -158,7 +160,8 @@ class _Renderer:
             f'<a href="{COPY_SCHEME}:{index}" style="color:{s.link}; text-decoration:none; font-size:small;">'
             f'Copy</a></td></tr>'
             f'<tr><td colspan="2" bgcolor="{s.code_bg}" style="padding:8px 10px 8px 10px;">'
-            f'<pre style="font-family:\'{s.mono_family}\'; color:{s.code_text}; margin:0px;">{body}</pre>'
+            f'<pre style="font-family:\'{s.mono_family}\'; color:{s.code_text}; margin:0px; '
+            f'white-space:pre-wrap;">{body}</pre>'
             f'</td></tr></table>')
 
     def _list(self, lines: list[str], i: int, out: list[str]) -> int:

@@ -239,3 +239,18 @@ def test_narrow_window_wraps_instead_of_overflowing(view, qtbot):
             qtbot.waitUntil(lambda w=w: w.width() <= view.scroll.viewport().width())
             if w.bubble is not None:
                 assert w.bubble.width() <= 0.8 * w.width() + 1
+
+
+def test_long_code_lines_wrap_inside_the_bubble(view, qtbot):
+    """A code line far wider than the window is wrapped, never clipped: the document is no
+    wider than the text view, and every character of the line is still in the text."""
+    line = "result = compute(" + ", ".join(f"argument_{i}" for i in range(40)) + ")"
+    w = view.add_message(1, "assistant", f"Here:\n\n```python\n{line}\n```\n")
+    view.resize(520, 500)
+    qtbot.waitUntil(lambda: w.body.viewport().width() > 0)
+    qtbot.waitUntil(lambda: w.body.document().size().width() <= w.body.viewport().width() + 1)
+    doc = w.body.document()
+    assert doc.size().width() <= w.body.viewport().width() + 1
+    assert line in doc.toPlainText().replace("\u2028", "").replace("\n", "")
+    # the wrapped block is taller than one line of code
+    assert doc.size().height() > 3 * w.body.fontMetrics().height()
