@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from . import gemv as _gemv
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -204,7 +206,7 @@ def plan_num_splits(max_context: int, num_kv_heads: int, *, sm_count: int = 132,
     context is long, never more splits than BLOCK_N-sized pieces of max_context. Short
     contexts use fewer splits automatically (the split length is rounded up to BLOCK_N)."""
     want = max(1, sm_count // max(1, num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_context, block_n)))
+    return max(1, min(want, cdiv(max_context, block_n)))
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -255,8 +257,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _expect(qg.dtype == k.dtype == out.dtype, "qg, k and out must share the activation dtype")
 
     group = H // Hkv
-    block_d = max(16, triton.next_power_of_2(hd))
-    block_h = max(16, triton.next_power_of_2(group))          # tl.dot needs M >= 16
+    block_d = max(16, next_pow2(hd))
+    block_h = max(16, next_pow2(group))          # tl.dot needs M >= 16
     if block_n is None:
         block_n = max(16, min(64, 8192 // block_d))
     max_ctx = k_cache.shape[1]
@@ -270,9 +272,9 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device),
         num_warps=num_warps, **_gemv._launch_kw(qg.device))
-    block_s = min(16, triton.next_power_of_2(num_splits))
+    block_s = min(16, next_pow2(num_splits))
     block_dc = min(block_d, 64)
-    _attn_decode_combine_kernel[(H, triton.cdiv(hd, block_dc))](
+    _attn_decode_combine_kernel[(H, cdiv(hd, block_dc))](
         partials, qg, out, pos, HD=hd, NUM_SPLITS=num_splits,
         BLOCK_S=block_s, BLOCK_D=block_dc, BLOCK_N=block_n, PDL=_gemv.pdl_mode(qg.device),
         num_warps=2, **_gemv._launch_kw(qg.device))

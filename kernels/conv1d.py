@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from .gemm import tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,8 +102,8 @@ def _conv_default_config(T: int, C: int, kc: int) -> dict:
     """Built-in tiles: 256 channels x 32 rows per tile keeps the fp32 accumulator at 32
     registers a thread (8 warps); long prompts give each program 4 row tiles so the
     per-program set-up (weights, state branch) is paid once per 128 tokens."""
-    block_c = min(256, triton.next_power_of_2(C))
-    block_t = min(32, triton.next_power_of_2(T))
+    block_c = min(256, next_pow2(C))
+    block_t = min(32, next_pow2(T))
     rows = 4 if T >= 1024 else 1
     return dict(BLOCK_T=block_t, BLOCK_C=block_c, ROW_TILES=rows,
                 num_warps=8 if block_c * block_t >= 8192 else 4)
@@ -146,11 +148,11 @@ def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
     else:
         cfg = tuned_config(conv_kernel_name(C, kc), T, CONV_KEYS) or _conv_default_config(T, C, kc)
     # tile 0 must cover every row that reads the old state (t < Kc-1)
-    block_t = max(cfg["BLOCK_T"], triton.next_power_of_2(kc - 1))
+    block_t = max(cfg["BLOCK_T"], next_pow2(kc - 1))
     rows_per_prog = block_t * cfg["ROW_TILES"]
-    grid = (triton.cdiv(T, rows_per_prog), triton.cdiv(C, cfg["BLOCK_C"]))
+    grid = (cdiv(T, rows_per_prog), cdiv(C, cfg["BLOCK_C"]))
     _causal_conv1d_kernel[grid](
         x, w, conv_state, out, T, C, x.stride(0), out.stride(0),
-        KC=kc, KC_PAD=triton.next_power_of_2(kc), KM1_PAD=triton.next_power_of_2(kc - 1), BLOCK_T=block_t,
+        KC=kc, KC_PAD=next_pow2(kc), KM1_PAD=next_pow2(kc - 1), BLOCK_T=block_t,
         BLOCK_C=cfg["BLOCK_C"], ROW_TILES=cfg["ROW_TILES"], num_warps=cfg["num_warps"])
     return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from . import gemv as _gemv
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,8 +48,8 @@ def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) 
         raise ValueError("embedding_gather: ids, table and out must be on one device")
     if T == 0:
         return out
-    block_d = min(1024, triton.next_power_of_2(D))
-    _embedding_gather_kernel[(T, triton.cdiv(D, block_d))](
+    block_d = min(1024, next_pow2(D))
+    _embedding_gather_kernel[(T, cdiv(D, block_d))](
         ids, table, out, D, BLOCK_D=block_d, PDL=_gemv.pdl_mode(out.device), num_warps=4,
         **_gemv._launch_kw(out.device))
     return out

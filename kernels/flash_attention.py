@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from .gemm import _check_rows, dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -228,7 +230,7 @@ def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
         cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-    rows = max(16, triton.next_power_of_2(T) * group_pad)
+    rows = max(16, next_pow2(T) * group_pad)
     cfg["BLOCK_M"] = max(min(cfg["BLOCK_M"], rows), group_pad)
     return cfg
 
@@ -279,17 +281,17 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if T == 0:
         return out
 
-    hdp = max(16, triton.next_power_of_2(hd))
+    hdp = max(16, next_pow2(hd))
     group = H // Hkv
-    group_p = triton.next_power_of_2(group)
+    group_p = next_pow2(group)
     inv_freq = _inv_freq(rotary_dim, float(rope_theta), qg.device)
     # cos/sin of the new positions, rounded to the dtype: written by the K/V pass, read by the
     # query pass (one table for every head)
     cos_tab = torch.empty(T, rotary_dim // 2, dtype=dt, device=qg.device)
     sin_tab = torch.empty_like(cos_tab)
     # the norm + rope tile keeps ~6 fp32 copies of [BLOCK_T, head_dim] live: 16 x 256 fits
-    block_t = min(max(16, 4096 // hdp), max(16, triton.next_power_of_2(T)))
-    _kv_cache_write_kernel[(triton.cdiv(T, block_t), Hkv)](
+    block_t = min(max(16, 4096 // hdp), max(16, next_pow2(T)))
+    _kv_cache_write_kernel[(cdiv(T, block_t), Hkv)](
         k, v, k_norm_w, inv_freq, k_cache, v_cache, cos_tab, sin_tab, T, start_pos, max_ctx,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
         num_warps=4)
@@ -303,7 +305,7 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"BLOCK_M must be a power of two >= max(16, {group_p}), got {block_m}")
     tok = block_m // group_p                  # query tokens per program
     qk_scale = hd ** -0.5 * _LOG2E                        # softmax in the exp2 domain
-    _attention_prefill_kernel[(Hkv, triton.cdiv(T, tok))](
+    _attention_prefill_kernel[(Hkv, cdiv(T, tok))](
         qg, q_norm_w, cos_tab, sin_tab, k_cache, v_cache, out, T, start_pos, max_ctx,
         qg.stride(0), out.stride(0), qk_scale, eps,
         GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from .gemm import dot_precision, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -269,9 +271,9 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     if T == 0:
         return out
 
-    dkp = max(16, triton.next_power_of_2(dk))
-    dvp = max(16, triton.next_power_of_2(dv))
-    nt = triton.cdiv(T, chunk)
+    dkp = max(16, next_pow2(dk))
+    dvp = max(16, next_pow2(dv))
+    nt = cdiv(T, chunk)
     t_pad = nt * chunk
     dev = qkv_conv.device
     gam = torch.empty(hv, t_pad, dtype=torch.float32, device=dev)

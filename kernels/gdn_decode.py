@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from . import gemv as _gemv
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -171,8 +173,8 @@ def gdn_decode(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor,
             raise TypeError(f"gdn_decode: {name} dtype {t.dtype} not in {_DTYPES}")
         _expect(t.device == state.device, f"{name} is not on the state's device")
 
-    block_k = triton.next_power_of_2(dk)
-    block_v = triton.next_power_of_2(dv)
+    block_k = next_pow2(dk)
+    block_v = next_pow2(dv)
     if num_warps is None:
         # ~32 fp32 state elements per thread
         num_warps = max(4, min(16, block_k * block_v // 1024))
@@ -252,22 +254,22 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
 def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
     """Default BLOCK_V: about target_programs programs, tiles of 16..next_pow2(dv) columns
     (decode_tuning.json overrides it)."""
-    full = triton.next_power_of_2(int(head_v_dim))
-    tiles = triton.next_power_of_2(max(1, triton.cdiv(target_programs, int(num_v_heads))))
+    full = next_pow2(int(head_v_dim))
+    tiles = next_pow2(max(1, cdiv(target_programs, int(num_v_heads))))
     return min(full, max(16, full // tiles))
 
 
 def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int]:
     from .gemv import decode_table
     e = decode_table().get(f"gdn_core:{hv}x{dk}x{dv}")
-    bv = triton.next_power_of_2(dv)
+    bv = next_pow2(dv)
     if e is not None:
         try:
             return min(int(e["block_v"]), bv), int(e["num_warps"])
         except (KeyError, TypeError, ValueError):
             pass
     block_v = core_block_v(dv, hv)
-    return block_v, max(1, min(8, triton.next_power_of_2(dk) * block_v // 512))
+    return block_v, max(1, min(8, next_pow2(dk) * block_v // 512))
 
 
 def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -300,9 +302,9 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     num_warps = int(num_warps or nw_plan)
     _expect(block_v >= 1 and block_v & (block_v - 1) == 0, "block_v must be a power of 2")
     from .gemv import _launch_kw, pdl_mode
-    _gdn_core_kernel[(hv, triton.cdiv(dv, block_v))](
+    _gdn_core_kernel[(hv, cdiv(dv, block_v))](
         proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, hk, hv, DK=dk, DV=dv,
-        GROUP=hv // hk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        GROUP=hv // hk, BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
         L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_mode(state.device),
         num_warps=num_warps, **_launch_kw(state.device))
     return o_out

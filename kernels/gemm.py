@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Tile table measured on the device by `python -m tritonchat.kernels.tune_prefill`; every prefill
@@ -66,6 +68,7 @@ def tuned_config(kernel: str, T: int, keys: tuple[str, ...]) -> Optional[dict]:
 def clear_tuning_cache() -> None:
     """Forget the loaded table (after the tuner rewrites it, or in tests)."""
     _load_tuning.cache_clear()
+    _gemm_config_cached.cache_clear()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -146,6 +149,13 @@ def gemm_kernel_name(N: int, K: int, residual: bool, silu_mul: bool) -> str:
 
 def _gemm_config(M: int, N: int, K: int, silu_mul: bool, residual: bool = False) -> dict:
     """Measured tiles for this shape when the tuning table has them, else the built-in table."""
+    return dict(_gemm_config_cached(M, N, K, silu_mul, residual,
+                                    os.environ.get(TUNING_ENV) or str(TUNING_FILE)))
+
+
+@functools.lru_cache(maxsize=512)
+def _gemm_config_cached(M: int, N: int, K: int, silu_mul: bool, residual: bool, path: str) -> dict:
+    # per (shape, table file): the launch path asks at every call (host time is TTFT here)
     cfg = tuned_config(gemm_kernel_name(N, K, residual, silu_mul), M, GEMM_KEYS)
     return cfg if cfg is not None else _gemm_default_config(M, N, K, silu_mul)
 
@@ -170,8 +180,8 @@ def _gemm_default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
     if silu_mul and cfg["BLOCK_N"] > 64:
         cfg["BLOCK_N"] = 64
     # Never make a K tile wider than K itself (tiny test shapes); tl.dot needs >= 16.
-    cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(K)))
-    cfg["BLOCK_N"] = max(16, min(cfg["BLOCK_N"], triton.next_power_of_2(N)))
+    cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], next_pow2(K)))
+    cfg["BLOCK_N"] = max(16, min(cfg["BLOCK_N"], next_pow2(N)))
     cfg["GROUP_M"] = 8
     return cfg
 
@@ -217,8 +227,9 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         raise ValueError("x, W and out must be on the same device")
     if M == 0:
         return out
-    cfg = dict(config) if config is not None else _gemm_config(M, N, K, silu_mul, residual is not None)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    cfg = config if config is not None else _gemm_config_cached(
+        M, N, K, silu_mul, residual is not None, os.environ.get(TUNING_ENV) or str(TUNING_FILE))
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     res = residual if residual is not None else out
     _gemm_kernel[grid](
         x, W, out, res, M, N, K, x.stride(0), W.stride(0), out.stride(0), res.stride(0), N,

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_splitk_table.json")
 # The fallback plans aim at this many programs (H200: 132 SMs, ~2 resident GEMV programs each).
@@ -181,13 +183,13 @@ def _table() -> dict:
 def heuristic_plan(n: int, k: int, split_k_enabled: bool = True) -> dict:
     """Fallback when (n, k) is not in the table: ~4K-element tiles, split-K only when the row
     grid is short of TARGET_PROGRAMS and each split still gets at least two K-blocks."""
-    block_k = min(512, triton.next_power_of_2(max(k, 16)))
-    block_n = max(1, min(64, 4096 // block_k, triton.next_power_of_2(n)))
-    programs = triton.cdiv(n, block_n)
+    block_k = min(512, next_pow2(max(k, 16)))
+    block_n = max(1, min(64, 4096 // block_k, next_pow2(n)))
+    programs = cdiv(n, block_n)
     split_k = 1
     if split_k_enabled and programs < TARGET_PROGRAMS:
-        k_blocks = triton.cdiv(k, block_k)
-        split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // 2))
+        k_blocks = cdiv(k, block_k)
+        split_k = max(1, min(MAX_SPLIT_K, cdiv(TARGET_PROGRAMS, programs), k_blocks // 2))
     return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
 
 
@@ -263,7 +265,7 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
     res = residual if has_res else out      # dummy pointer, never read when HAS_RESIDUAL=False
 
     if split_k == 1:
-        _gemv_direct_kernel[(triton.cdiv(n_out, block_n),)](
+        _gemv_direct_kernel[(cdiv(n_out, block_n),)](
             x, W, out, res, n_out, K, W.stride(0),
             HAS_RESIDUAL=has_res, SILU_MUL=bool(silu_mul), BLOCK_N=block_n, BLOCK_K=block_k,
             MASK_N=n_out % block_n != 0, MASK_K=K % block_k != 0, num_warps=num_warps)
@@ -275,13 +277,13 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
             f"gemv: split_k={split_k} needs a contiguous float32 partials buffer of at least "
             f"{split_k * n_rows} elements on out's device")
     # every split starts on a BLOCK_K boundary, so only a ragged K needs the K mask
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    _gemv_split_kernel[(triton.cdiv(n_rows, block_n), split_k)](
+    k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
+    _gemv_split_kernel[(cdiv(n_rows, block_n), split_k)](
         x, W, partials, n_rows, K, W.stride(0), k_per_split,
         BLOCK_N=block_n, BLOCK_K=block_k, MASK_N=n_rows % block_n != 0,
         MASK_K=K % block_k != 0, num_warps=num_warps)
-    block_r = min(1024, triton.next_power_of_2(n_out))
-    _gemv_reduce_kernel[(triton.cdiv(n_out, block_r),)](
+    block_r = min(1024, next_pow2(n_out))
+    _gemv_reduce_kernel[(cdiv(n_out, block_r),)](
         partials, out, res, n_out, n_rows, SPLIT_K=split_k, HAS_RESIDUAL=has_res,
         SILU_MUL=bool(silu_mul), BLOCK=block_r, num_warps=4)
     return out
@@ -637,16 +639,16 @@ def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: i
                          silu_mul: bool = False) -> dict:
     """Fallback launch plan for a fused GEMV: dict(split_k, block_n, block_k, num_warps)."""
     if prologue == "gated":
-        block_k = min(256, triton.next_power_of_2(max(head_dim, 16)))
+        block_k = min(256, next_pow2(max(head_dim, 16)))
     else:
-        block_k = min(512, triton.next_power_of_2(max(k, 16)))
+        block_k = min(512, next_pow2(max(k, 16)))
     per_tile = 2048 if silu_mul else 4096            # the pair form holds two tiles
-    block_n = max(1, min(32, per_tile // block_k, triton.next_power_of_2(n_out)))
-    programs = triton.cdiv(n_out, block_n)
+    block_n = max(1, min(32, per_tile // block_k, next_pow2(n_out)))
+    programs = cdiv(n_out, block_n)
     split_k = 1
     if programs < TARGET_PROGRAMS // 2:
-        units = (k // head_dim) if prologue == "gated" else triton.cdiv(k, block_k)
-        split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, programs), units // 2))
+        units = (k // head_dim) if prologue == "gated" else cdiv(k, block_k)
+        split_k = max(1, min(MAX_SPLIT_K, cdiv(TARGET_PROGRAMS, programs), units // 2))
     return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
 
 
@@ -709,14 +711,14 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
                 p = dict(split_k=1, block_n=int(e["direct_block_n"]), block_k=int(e["direct_block_k"]),
                          num_warps=int(e["direct_num_warps"]),
                          persistent=int(e.get("direct_persistent", 0)))
-            if prologue != "gated" or p["block_k"] <= triton.next_power_of_2(head_dim):
+            if prologue != "gated" or p["block_k"] <= next_pow2(head_dim):
                 return p
         except (KeyError, TypeError, ValueError):
             pass
     p = fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
     if not split_k_enabled and p["split_k"] > 1:
         # direct form: narrow row blocks so the grid still covers the SMs
-        p = dict(p, split_k=1, block_n=max(1, min(p["block_n"], triton.next_power_of_2(max(1, n_out // TARGET_PROGRAMS)))))
+        p = dict(p, split_k=1, block_n=max(1, min(p["block_n"], next_pow2(max(1, n_out // TARGET_PROGRAMS)))))
     return p
 
 
@@ -726,7 +728,7 @@ def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tupl
     s = int(plan_["split_k"])
     if s <= 1:
         return 0, 0
-    return s * n_out * (2 if silu_mul else 1), triton.cdiv(n_out, int(plan_["block_n"]))
+    return s * n_out * (2 if silu_mul else 1), cdiv(n_out, int(plan_["block_n"]))
 
 
 def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
@@ -799,7 +801,10 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                 and conv_state.device == dev and conv_w.device == dev,
                 f"gemv_fused: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
 
-    p = fused_plan(n_out, K, pro_name, epi_name, dv)
+    if None in (split_k, block_n, block_k, num_warps, persistent):
+        p = fused_plan(n_out, K, pro_name, epi_name, dv)
+    else:
+        p = {}                                   # the caller (the engine) passes the whole plan
     if persistent is None:
         # the plan's persistent form applies only when the caller keeps the plan's direct form
         persistent = p.get("persistent", 0) if split_k in (None, 1) and block_n is None else 0
@@ -813,26 +818,26 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
             "gemv_fused: block_k must be a power of 2 >= 16")
     _expect(1 <= split_k <= 64, "gemv_fused: split_k must be in 1..64")
     if pro == PRO_GATED:
-        _expect(block_k <= max(16, triton.next_power_of_2(dv)),
+        _expect(block_k <= max(16, next_pow2(dv)),
                 "gemv_fused: with the gated norm block_k must not exceed the head size")
         units = K // dv                                    # splits own whole heads
-        per_split = triton.cdiv(units, split_k)
+        per_split = cdiv(units, split_k)
         mask_k = dv % block_k != 0
-        block_x = triton.next_power_of_2(dv)
+        block_x = next_pow2(dv)
     else:
-        per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+        per_split = cdiv(cdiv(K, split_k), block_k) * block_k
         mask_k = K % block_k != 0
-        block_x = min(1024, triton.next_power_of_2(K))
-    grid_s = triton.cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
-    n_blocks = triton.cdiv(n_out, block_n)
+        block_x = min(1024, next_pow2(K))
+    grid_s = cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
+    n_blocks = cdiv(n_out, block_n)
     res = residual if residual is not None else out
     cs = conv_state if conv_state is not None else out
     cw = conv_w if conv_state is not None else out
     if persistent > 0:
         _expect(pro != PRO_GATED, "gemv_fused: the persistent form takes no gated-norm prologue")
         _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
-        bk = max(16, triton.next_power_of_2(K))
-        n_blocks = triton.cdiv(n_out, block_n)
+        bk = max(16, next_pow2(K))
+        n_blocks = cdiv(n_out, block_n)
         nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
         _fused_gemv_persistent_kernel[(nprog,)](
             x, norm_w if norm_w is not None else x, W, out, res, cs, cw, n_out, K, W.stride(0),

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import next_pow2
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -56,7 +58,7 @@ def _launch(x, res, w, out, eps, add_residual):
     rows = x.numel() // D
     if rows == 0:
         return
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     num_warps = 4 if block_d <= 2048 else (8 if block_d <= 8192 else 16)
     _rms_norm_kernel[(rows,)](x, res, w, out, D, float(eps), ADD_RESIDUAL=add_residual,
                               BLOCK_D=block_d, num_warps=num_warps)

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .hostmath import cdiv, next_pow2
+
 from . import gemv as _gemv
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -176,7 +178,7 @@ def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
 
 def lm_head_partials_numel(vocab: int, block_n: int) -> int:
     """int64 elements of the per-block argmax scratch of lm_head_argmax."""
-    return triton.cdiv(vocab, block_n)
+    return cdiv(vocab, block_n)
 
 
 def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
@@ -210,7 +212,7 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
         p = lm_head_plan(V, D, norm_w is not None)
         block_n, block_k, num_warps = (block_n or p["block_n"], block_k or p["block_k"],
                                        num_warps or p["num_warps"])
-    nb = triton.cdiv(V, block_n)
+    nb = cdiv(V, block_n)
     if partials.dtype != torch.int64 or partials.numel() < nb or not partials.is_contiguous():
         raise ValueError(f"lm_head_argmax: partials must be contiguous int64 with >= {nb} "
                          "elements")
@@ -220,12 +222,12 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     _lm_head_kernel[(nb,)](h, norm_w if norm_w is not None else h, E, logits_out, partials, V,
                            int(valid_vocab), D, E.stride(0), float(eps),
                            PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
-                           BLOCK_K=block_k, BLOCK_X=min(1024, triton.next_power_of_2(D)),
+                           BLOCK_K=block_k, BLOCK_X=min(1024, next_pow2(D)),
                            MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
                            PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
                            **_gemv._launch_kw(h.device))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
-    block = min(ARGMAX_BLOCK_MAX, triton.next_power_of_2(nb))
+    block = min(ARGMAX_BLOCK_MAX, next_pow2(nb))
     _argmax_keys_kernel[(1,)](partials, nb, token_out, *_count_args(counts, token_out, pos),
                               BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
                               PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
@@ -396,23 +398,23 @@ def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
     """Launch geometry of sample_from_logits (fixed per vocab/top_k_max/n_draws) and the
     int64 scratch it needs: dict(kc, block_v, nb, chunk, levels=[(n_in, programs, in_off,
     out_off)], final_off, n_final, gum_off, draw_block, scratch_numel)."""
-    kc = triton.next_power_of_2(max(1, int(top_k_max)))
+    kc = next_pow2(max(1, int(top_k_max)))
     if block_v is None:
-        block_v = max(2 * kc, min(4096, triton.next_power_of_2(vocab)))
+        block_v = max(2 * kc, min(4096, next_pow2(vocab)))
     if merge_chunk is None:
         merge_chunk = max(2 * kc, 4096)
     if block_v < kc or block_v & (block_v - 1):
         raise ValueError("sample_plan: block_v must be a power of two >= top_k_max")
     if merge_chunk < 2 * kc or merge_chunk & (merge_chunk - 1):
         raise ValueError("sample_plan: merge_chunk must be a power of two >= 2 * top_k_max")
-    nb = triton.cdiv(vocab, block_v)
-    draw_block = min(triton.next_power_of_2(n_draws), max(1, 4096 // block_v))
+    nb = cdiv(vocab, block_v)
+    draw_block = min(next_pow2(n_draws), max(1, 4096 // block_v))
     gum_off, off = 0, n_draws * nb
     n, in_off = nb * kc, off
     off += n
     levels = []
     while n > merge_chunk:
-        programs = triton.cdiv(n, merge_chunk)
+        programs = cdiv(n, merge_chunk)
         levels.append((n, programs, in_off, off))
         in_off, n = off, programs * kc
         off += n
@@ -464,17 +466,17 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
     kc, block_v, nb, chunk = p["kc"], p["block_v"], p["nb"], p["chunk"]
     gum = scratch[p["gum_off"]:]
     first = p["levels"][0][2] if p["levels"] else p["final_off"]
-    _sample_prepare_kernel[(nb, triton.cdiv(n_draws, p["draw_block"]))](
+    _sample_prepare_kernel[(nb, cdiv(n_draws, p["draw_block"]))](
         logits, counts, params, seed_offset, scratch[first:], gum, V, int(valid_vocab),
         n_draws, nb, TWO_ROWS=two_rows, KC=kc, BLOCK_V=block_v, DRAW_BLOCK=p["draw_block"],
         num_warps=8 if block_v >= 2048 else 4)
     for n_in, programs, in_off, out_off in p["levels"]:
         _topk_merge_kernel[(programs,)](scratch[in_off:], n_in, scratch[out_off:], params,
                                         KC=kc, CHUNK=chunk, num_warps=8)
-    chunk_f = max(kc, triton.next_power_of_2(p["n_final"]))
-    block_nb = triton.next_power_of_2(nb)
+    chunk_f = max(kc, next_pow2(p["n_final"]))
+    block_nb = next_pow2(nb)
     # draws per iteration of the final loop: keep a [DRAW_BLOCK, CHUNK] tile around 8K values
-    draw_block = min(triton.next_power_of_2(n_draws), max(1, 8192 // max(chunk_f, block_nb)))
+    draw_block = min(next_pow2(n_draws), max(1, 8192 // max(chunk_f, block_nb)))
     _sample_final_kernel[(1,)](
         scratch[p["final_off"]:], p["n_final"], gum, nb, params, seed_offset, token_out,
         n_draws, KC=kc, CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, num_warps=8)
