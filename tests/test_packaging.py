@@ -21,3 +21,26 @@ def test_wheel_contents(tmp_path):
     assert not any(n.startswith(("kernels/", "engine/", "app/")) for n in names)   # no bare top-level packages
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tritonchat = tritonchat.engine.cli:main" in zipfile.ZipFile(wheel).read(meta).decode()
+
+
+def test_device_qt_bundle_lists_what_the_app_needs():
+    """packaging/device_qt_bundle.py (the app's Qt side for the GPU machine without PySide6):
+    the Qt modules, libraries and plugins the app and pytest-qt load, the pure-Python GUI deps,
+    and no C runtime of this machine."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("device_qt_bundle",
+                                                  ROOT / "packaging" / "device_qt_bundle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    arcs = [arc for _, arc in mod.collect()]
+    names = set(arcs)
+    for m in ("QtCore", "QtGui", "QtWidgets", "QtSvg", "QtTest"):
+        assert any(a.startswith(f"site/PySide6/{m}.") and a.endswith(".so") for a in arcs), m
+    assert "site/PySide6/__init__.py" in names and "site/shiboken6/__init__.py" in names
+    assert "site/PySide6/Qt/plugins/platforms/libqoffscreen.so" in names
+    assert any(a.startswith("site/PySide6/Qt/lib/libQt6Widgets.so") for a in arcs)
+    for pkg in ("pyqtgraph", "colorama", "platformdirs"):
+        assert f"site/{pkg}/__init__.py" in names, pkg
+    libs = [a.split("/")[-1] for a in arcs if a.startswith("lib/")]
+    assert not any(n.startswith(("libc.so", "libstdc++", "ld-linux", "libm.so")) for n in libs)
+    assert not any("__pycache__" in a or "/include/" in a for a in arcs)
