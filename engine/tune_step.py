@@ -30,23 +30,13 @@ KEEP_MARGIN = 0.99      # a candidate must cut the step by > 1% (then confirmed)
 
 def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
     """Median ms of one decode step: graph replays back to back from position `pos`."""
+    from tritonchat.kernels.tune_decode import replay_ms
+
     from .graph import replay_or_capture
     if be._graph is None:
         replay_or_capture(be)                   # captures (JIT first) and runs one step
-    g = be._graph
-    times = []
-    for _ in range(reps):
-        be.pos_buf.fill_(pos)
-        torch.cuda.synchronize()
-        t0 = torch.cuda.Event(enable_timing=True)
-        t1 = torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(n):
-            g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) / n)
-    return statistics.median(times)
+    return statistics.median(replay_ms(be._graph, n, before=lambda: be.pos_buf.fill_(pos))
+                             for _ in range(reps))
 
 
 def _gemv_candidates(n_out: int, k: int, prologue: str, head_dim: int, silu_mul: bool = False):
@@ -93,7 +83,7 @@ def main(argv=None) -> int:
     from tritonchat.kernels import gemv as G
     from tritonchat.kernels import sampling as S
 
-    from .api import EngineOptions
+    from .api import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
     from .loader import random_backend
 
@@ -103,7 +93,6 @@ def main(argv=None) -> int:
     cfg = qwen35_08b_config()
     be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
                                            max_context=4096, split_k=True, graph=True))
-    from .api import SamplingParams
     be.prefill(list(range(1000, 1128)))
     be.begin_sampling(SamplingParams(greedy=True), [])     # the greedy step: LM head + argmax
     be.sample()
@@ -123,15 +112,44 @@ def main(argv=None) -> int:
         res[early] = measure()
         log(f"PDL trigger {'at start' if early else 'after wait'}: {res[early]:.4f} ms/step")
     G.PDL_EARLY = res[True] < res[False]
-    base = min(res.values())
-    start_ms = base
+    base = start_ms = min(res.values())
     log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), PDL_EARLY={G.PDL_EARLY}")
+
+    def trial(label: str, apply, restore) -> bool:
+        """Measure the step with `apply()`'s plan; keep it only if it beats the current one by
+        the margin, confirmed by measuring both again (clocks drift); else `restore()`."""
+        nonlocal base
+        apply()
+        try:
+            ms = measure()
+        except Exception as e:  # noqa: BLE001 - a plan that does not compile/launch
+            log(f"  skip {label}: {type(e).__name__}: {str(e)[:80]}")
+            restore()
+            return False
+        if ms < base * KEEP_MARGIN:
+            restore()
+            base = min(base, measure())
+            apply()
+            ms = min(ms, measure())
+        if ms < base * KEEP_MARGIN:
+            log(f"  {label}: {base:.4f} -> {ms:.4f} ms")
+            base = ms
+            return True
+        restore()
+        return False
+
+    def set_lm(plan: dict) -> None:
+        be._lm_plan = plan
+        be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, plan["block_n"]),
+                                          device=be.device, dtype=torch.int64)
 
     # 2. coordinate descent over the GEMV plans, the GDN core and the LM head
     keys = [k for k in be._fplans if k[0][0] != cfg.vocab_size]   # the sampled LM head: not in the greedy step
+    core_key = f"gdn_core:{cfg.linear_num_value_heads}x{cfg.linear_key_head_dim}x{cfg.linear_value_head_dim}"
+    lm_key = f"lm_head:{cfg.vocab_size}x{cfg.hidden_size}:rms"
     deadline = t_start + args.budget_s
     changed = {}
-    for sweep in range(2):
+    for _sweep in range(2):
         improved = False
         # every key's persistent candidates first (the structural change), then the tile grid
         queue = []
@@ -142,78 +160,36 @@ def main(argv=None) -> int:
                 hd = cfg.linear_value_head_dim if pro == "gated" else 0
                 for cand in _gemv_candidates(n_out, k, pro, hd, epi == "silu_mul"):
                     if bool(cand["persistent"]) == persistent_pass:
-                        queue.append((key, n_out, k, pro, epi, cand))
-        for key, n_out, k, pro, epi, cand in queue:
+                        queue.append((key, G.fused_key(n_out, k, pro, epi), cand))
+        for key, name, cand in queue:
             if time.time() > t_start + 0.8 * args.budget_s:     # leave time for core / LM head
                 break
             cur = dict(be._fplans[key])
             if all(cand.get(x, 0) == cur.get(x, 0) for x in cand):
                 continue
-            be._fplans[key] = cand
-            try:
-                ms = measure()
-            except Exception as e:  # noqa: BLE001 - a plan that does not compile/launch
-                log(f"  skip {key} {cand}: {type(e).__name__}: {str(e)[:80]}")
-                be._fplans[key] = cur
-                continue
-            if ms < base * KEEP_MARGIN:
-                # confirm against the current plan measured again now (clocks drift)
-                be._fplans[key] = cur
-                base = min(base, measure())
-                be._fplans[key] = cand
-                ms = min(ms, measure())
-            if ms < base * KEEP_MARGIN:
-                log(f"  {G.fused_key(n_out, k, pro, epi)} {cur} -> {cand}: {base:.4f} -> {ms:.4f} ms")
-                base, improved = ms, True
-                changed[G.fused_key(n_out, k, pro, epi)] = dict(cand)
-            else:
-                be._fplans[key] = cur
-        # GDN core tile / warps
-        core_key = f"gdn_core:{cfg.linear_num_value_heads}x{cfg.linear_key_head_dim}x{cfg.linear_value_head_dim}"
-        cur_e = dict(table.get(core_key, {}))
+            if trial(f"{name} {cur} -> {cand}", lambda: be._fplans.__setitem__(key, cand),
+                     lambda: be._fplans.__setitem__(key, cur)):
+                improved, changed[name] = True, dict(cand)
+        # GDN core tile / warps (the launcher reads the table at capture)
         for bv in (8, 16, 32, 64):
             for nw in (1, 2, 4, 8):
-                if time.time() > deadline:
-                    break
-                if cur_e.get("block_v") == bv and cur_e.get("num_warps") == nw:
+                cur_e = dict(table.get(core_key, {}))
+                if time.time() > deadline or (cur_e.get("block_v"), cur_e.get("num_warps")) == (bv, nw):
                     continue
-                table[core_key] = dict(cur_e, key=core_key, block_v=bv, num_warps=nw)
-                try:
-                    ms = measure()
-                except Exception as e:  # noqa: BLE001
-                    log(f"  skip core {bv}/{nw}: {type(e).__name__}")
-                    continue
-                if ms < base * KEEP_MARGIN:
-                    log(f"  {core_key} -> block_v {bv} warps {nw}: {base:.4f} -> {ms:.4f} ms")
-                    base, improved = ms, True
-                    cur_e = dict(table[core_key])
-                    changed[core_key] = dict(block_v=bv, num_warps=nw)
-        table[core_key] = cur_e
+                cand_e = dict(cur_e, key=core_key, block_v=bv, num_warps=nw)
+                if trial(f"{core_key} -> block_v {bv} warps {nw}",
+                         lambda: table.__setitem__(core_key, cand_e),
+                         lambda: table.__setitem__(core_key, cur_e)):
+                    improved, changed[core_key] = True, dict(block_v=bv, num_warps=nw)
         # LM head (greedy, fused norm + argmax)
-        lm_cur = dict(be._lm_plan)
         for bn in (4, 8, 16, 32):
             for bk in (256, 512, 1024):
                 for nw in (4, 8):
-                    if time.time() > deadline or bn * bk > 16384 or bn * bk < 2048:
+                    cand, cur = dict(block_n=bn, block_k=bk, num_warps=nw), dict(be._lm_plan)
+                    if time.time() > deadline or not 2048 <= bn * bk <= 16384 or cand == cur:
                         continue
-                    cand = dict(block_n=bn, block_k=bk, num_warps=nw)
-                    if cand == lm_cur:
-                        continue
-                    be._lm_plan = cand
-                    be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, bn),
-                                                      device=be.device, dtype=torch.int64)
-                    try:
-                        ms = measure()
-                    except Exception as e:  # noqa: BLE001
-                        log(f"  skip lm_head {cand}: {type(e).__name__}")
-                        continue
-                    if ms < base * KEEP_MARGIN:
-                        log(f"  lm_head {lm_cur} -> {cand}: {base:.4f} -> {ms:.4f} ms")
-                        base, lm_cur, improved = ms, cand, True
-                        changed[f"lm_head:{cfg.vocab_size}x{cfg.hidden_size}:rms"] = dict(cand)
-        be._lm_plan = lm_cur
-        be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm_cur["block_n"]),
-                                          device=be.device, dtype=torch.int64)
+                    if trial(f"lm_head {cur} -> {cand}", lambda: set_lm(cand), lambda: set_lm(cur)):
+                        improved, changed[lm_key] = True, dict(cand)
         if not improved or time.time() > deadline:
             break
     final = measure()

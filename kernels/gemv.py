@@ -817,6 +817,21 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     _expect(block_k >= 16 and block_k & (block_k - 1) == 0,
             "gemv_fused: block_k must be a power of 2 >= 16")
     _expect(1 <= split_k <= 64, "gemv_fused: split_k must be in 1..64")
+    n_blocks = cdiv(n_out, block_n)
+    res = residual if residual is not None else out
+    cs = conv_state if conv_state is not None else out
+    cw = conv_w if conv_state is not None else out
+    if persistent > 0:
+        _expect(pro != PRO_GATED, "gemv_fused: the persistent form takes no gated-norm prologue")
+        _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
+        bk = max(16, next_pow2(K))
+        nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
+        _fused_gemv_persistent_kernel[(nprog,)](
+            x, norm_w if norm_w is not None else x, W, out, res, cs, cw, n_out, K, W.stride(0),
+            float(eps), conv_dim, PRO=pro, EPI=epi, KW=kw, NPROG=nprog, BLOCK_N=block_n,
+            BLOCK_K=bk, MASK_K=K != bk, PDL=pdl_mode(dev), num_warps=num_warps,
+            **_launch_kw(dev))
+        return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),
                 "gemv_fused: with the gated norm block_k must not exceed the head size")
@@ -829,22 +844,6 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         mask_k = K % block_k != 0
         block_x = min(1024, next_pow2(K))
     grid_s = cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
-    n_blocks = cdiv(n_out, block_n)
-    res = residual if residual is not None else out
-    cs = conv_state if conv_state is not None else out
-    cw = conv_w if conv_state is not None else out
-    if persistent > 0:
-        _expect(pro != PRO_GATED, "gemv_fused: the persistent form takes no gated-norm prologue")
-        _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
-        bk = max(16, next_pow2(K))
-        n_blocks = cdiv(n_out, block_n)
-        nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
-        _fused_gemv_persistent_kernel[(nprog,)](
-            x, norm_w if norm_w is not None else x, W, out, res, cs, cw, n_out, K, W.stride(0),
-            float(eps), conv_dim, PRO=pro, EPI=epi, KW=kw, NPROG=nprog, BLOCK_N=block_n,
-            BLOCK_K=bk, MASK_K=K != bk, PDL=pdl_mode(dev), num_warps=num_warps,
-            **_launch_kw(dev))
-        return out
     part, cnt = out, out                     # dummies, never touched when SPLIT_K == 1
     if grid_s > 1:
         need_p, need_c = fused_scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),

@@ -234,6 +234,22 @@ def tune_core(quick: bool, log) -> list[dict]:
                  what="GDN recurrence (state read + write)")]
 
 
+def replay_ms(graph, n: int, before=None) -> float:
+    """ms per replay of a captured CUDA graph over n replays back to back (`before` runs first,
+    e.g. to reset a device-side position)."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(n):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / n
+
+
 def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
     """Measured HBM read bandwidth: one pass over a weights-sized buffer (torch sum)."""
     buf = torch.ones(nbytes // 2, device="cuda", dtype=DT)
@@ -339,16 +355,7 @@ def bench_step(log, context: int = 256) -> int:
             step()
         for _ in range(3):
             graph.replay()
-        torch.cuda.synchronize()
-        n = 50
-        t0 = torch.cuda.Event(enable_timing=True)
-        t1 = torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(n):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        ms = t0.elapsed_time(t1) / n
+        ms = replay_ms(graph, 50)
         log(f"  step (graph, PDL {'on' if pdl else 'off'}, context {context}): {ms:.3f} ms/token = "
             f"{1e3 / ms:.0f} tok/s; weights {weight_bytes / 1e9:.3f} GB -> "
             f"{weight_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")

@@ -291,6 +291,22 @@ def _gdn_layer(hk, hv, dk, dv, kwid, D, dtype, g):
         out_proj=_vec(D * hv * dv, g, (hv * dv) ** -0.5, dtype).view(D, hv * dv))
 
 
+def _gdn_step_inputs(dims, kwid, D, dtype, g):
+    """A GDN layer's weights, its conv and recurrent states, an input h and the proj / o
+    buffers, drawn from g in one fixed order: (L, conv_state, state, h, proj, o, conv_dim,
+    n_proj)."""
+    hk, hv, dk, dv = dims
+    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dtype, g)
+    conv_dim = 2 * hk * dk + hv * dv
+    n_proj = conv_dim + hv * dv + 2 * hv
+    conv_state = _vec(conv_dim * (kwid - 1), g, 1.0, dtype).view(conv_dim, kwid - 1)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    h = _vec(D, g, 2.0, dtype)
+    proj = torch.empty(n_proj, device=DEVICE, dtype=dtype)
+    o = torch.empty(hv * dv, device=DEVICE, dtype=dtype)
+    return L, conv_state, state, h, proj, o, conv_dim, n_proj
+
+
 def _unfused_gdn_step(L, h, conv_state, state, dims, dtype):
     """rms_norm -> in_proj GEMV -> gdn_decode (conv, core, gated norm) -> out_proj + residual."""
     hk, hv, dk, dv = dims
@@ -309,15 +325,8 @@ def test_gdn_mixer_fused_path_matches_unfused(dims, split_k, dtype):
     hk, hv, dk, dv = dims
     D, kwid = 96, 4
     g = torch.Generator().manual_seed(11)
-    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dtype, g)
-    conv_dim = 2 * hk * dk + hv * dv
-    n_proj = conv_dim + hv * dv + 2 * hv
-    conv_state = _vec(conv_dim * (kwid - 1), g, 1.0, dtype).view(conv_dim, kwid - 1)
-    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    L, conv_state, state, h, proj, o, conv_dim, n_proj = _gdn_step_inputs(dims, kwid, D, dtype, g)
     ref_conv, ref_state = conv_state.clone(), state.clone()
-    h = _vec(D, g, 2.0, dtype)
-    proj = torch.empty(n_proj, device=DEVICE, dtype=dtype)
-    o = torch.empty(hv * dv, device=DEVICE, dtype=dtype)
     part, cnt = _scratch(max(n_proj, D), split_k, 8)
     for step in range(2):
         want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state, dims, dtype)
@@ -479,15 +488,9 @@ def test_gpu_gdn_mixer_model_shape(split_k):
     dt = torch.bfloat16
     hk, hv, dk, dv, kwid, D = (Q08[k] for k in ("hk", "hv", "dk", "dv", "kw", "D"))
     g = torch.Generator().manual_seed(2)
-    L = _gdn_layer(hk, hv, dk, dv, kwid, D, dt, g)
-    conv_dim = 2 * hk * dk + hv * dv
-    n_proj = conv_dim + hv * dv + 2 * hv
-    conv_state = _vec(conv_dim * (kwid - 1), g, 1.0, dt).view(conv_dim, kwid - 1)
-    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    L, conv_state, state, h, proj, o, conv_dim, n_proj = _gdn_step_inputs(
+        (hk, hv, dk, dv), kwid, D, dt, g)
     ref_conv, ref_state = conv_state.clone(), state.clone()
-    h = _vec(D, g, 2.0, dt)
-    proj = torch.empty(n_proj, device=DEVICE, dtype=dt)
-    o = torch.empty(hv * dv, device=DEVICE, dtype=dt)
     part = torch.zeros(8 * n_proj, device=DEVICE)
     cnt = torch.zeros(n_proj, device=DEVICE, dtype=torch.int32)
     for step in range(3):

@@ -55,26 +55,18 @@ def test_lm_head_argmax_padding_and_ties():
     assert float(logits[VALID:].min()) > float(logits[:VALID].max())   # padded logits kept
 
 
-def test_lm_head_argmax_many_blocks():
-    # 1050 row blocks: the final reduce reads them in one 2048-wide pass
+@pytest.mark.parametrize("reduce_block", [None, 256])
+def test_lm_head_argmax_many_blocks(reduce_block, monkeypatch):
+    # 1050 row blocks: the final reduce reads them in one 2048-wide pass, or, capped at 256
+    # keys per pass, loops 5 times; the winner sits in the last pass
+    import tritonchat.kernels.sampling as S
+    if reduce_block is not None:
+        monkeypatch.setattr(S, "ARGMAX_BLOCK_MAX", reduce_block)
     g = torch.Generator().manual_seed(2)
     n, D = 2100, 16
     h = torch.randn(D, generator=g).to(DEVICE)
     E = torch.randn(n, D, generator=g).to(DEVICE)
-    E[2061] = h * 3                          # the winner sits in the last chunk
-    logits, tok = _lm_head(h, E, 2080, block_n=2, block_k=16)
-    assert tok == 2061 == lm_head_argmax_ref(h, E, 2080)[1]
-
-
-def test_lm_head_argmax_reduce_loops_past_one_pass(monkeypatch):
-    # 1050 row blocks with the reduce capped at 256 keys per pass: it loops 5 times
-    import tritonchat.kernels.sampling as S
-    monkeypatch.setattr(S, "ARGMAX_BLOCK_MAX", 256)
-    g = torch.Generator().manual_seed(5)
-    n, D = 2100, 16
-    h = torch.randn(D, generator=g).to(DEVICE)
-    E = torch.randn(n, D, generator=g).to(DEVICE)
-    E[2061] = h * 3                          # the winner sits in the last pass
+    E[2061] = h * 3
     logits, tok = _lm_head(h, E, 2080, block_n=2, block_k=16)
     assert tok == 2061 == lm_head_argmax_ref(h, E, 2080)[1]
 
