@@ -300,10 +300,16 @@ class MessageWidget(QFrame):
             outer.addWidget(self.thinking_block)
             outer.addWidget(self.body)
 
+        # the buttons in a row, and under an answer its stats line across the whole width (a
+        # line beside the buttons would wrap into a tall narrow column when the panel is open)
         self.actions = QWidget(self)
-        al = QHBoxLayout(self.actions)
+        av = QVBoxLayout(self.actions)
+        av.setContentsMargins(0, 0, 0, 0)
+        av.setSpacing(0)
+        al = QHBoxLayout()
         al.setContentsMargins(0, 0, 0, 0)
         al.setSpacing(2)
+        av.addLayout(al)
         self.copy_button = _action("Copy", "Copy this message as markdown", self.actions)
         self.copy_button.clicked.connect(lambda: self.copyText.emit(self.content))
         self.edit_button = _action("Edit", "Edit this message and send it again", self.actions)
@@ -323,9 +329,9 @@ class MessageWidget(QFrame):
         else:
             al.addWidget(self.copy_button)
             al.addWidget(self.regenerate_button)
+            al.addStretch(1)
             self.edit_button.hide()
-            al.addSpacing(8)
-            al.addWidget(self.stats_label, 1)
+            av.addWidget(self.stats_label)
         outer.addWidget(self.actions)
 
     # ---------------------------------------------------------------- content

@@ -629,6 +629,7 @@ class MainWindow(QMainWindow):
             self.store.update_message(g.assistant_msg_id, content=answer, thinking=thinking, stats=stats)
         if g.conv_id == self.conv_id and not g.discarded:
             self.chat.finish_stream(answer, thinking, stats["thinking_seconds"], stats)
+        self.timing.add_stats(stats)             # the panel ends on the answer's own numbers
         self._set_generating(False)
         self.refresh_conversations()
         self._request_token_count()

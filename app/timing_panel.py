@@ -17,7 +17,20 @@ from PySide6.QtWidgets import (QAbstractItemView, QDockWidget, QHeaderView, QLab
 from .theme import Colors
 
 MAX_POINTS = 4000
-COLUMNS = ("Kernel", "Launches / token", "\u00b5s / token", "Share", "GB/s", "% of roofline")
+COLUMNS = ("Kernel", "Calls", "\u00b5s/tok", "Share", "GB/s", "Roofline")
+COLUMN_TIPS = ("The kernel (a fused launch: its prologue and epilogue in the name)",
+               "Launches per generated token", "GPU microseconds per generated token",
+               "Share of the decode step's GPU time", "Bytes moved per second of kernel time",
+               "Achieved bandwidth as a share of the measured HBM read bandwidth")
+
+
+def format_bytes(n) -> str:
+    """1.81 GiB, 12.5 MiB, 640 KiB: a small model's memory does not read as 0.00 GiB."""
+    n = float(n or 0)
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" and n < 10 * size else f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _fmt(value, spec: str) -> str:
@@ -61,10 +74,14 @@ class TimingPanel(QDockWidget):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSortingEnabled(False)
+        for i, tip in enumerate(COLUMN_TIPS):
+            self.table.horizontalHeaderItem(i).setToolTip(tip)
         header = self.table.horizontalHeader()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i in range(1, len(COLUMNS)):
+        # the kernel name is what people read: it keeps its full width (the numbers are short;
+        # a narrow panel scrolls sideways rather than eliding the names)
+        for i in range(len(COLUMNS) - 1):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.ResizeMode.Stretch)
         self.table.setToolTip("GPU time per generated token, by kernel: share of the step and "
                               "achieved memory bandwidth against the measured HBM roofline")
 
@@ -126,8 +143,13 @@ class TimingPanel(QDockWidget):
 
     # ---------------------------------------------------------------- updates
     def add_stats(self, stats: dict) -> None:
+        """A live update, or the answer's final stats (same token count as the last update:
+        that point is replaced, so the summary ends on the numbers under the answer)."""
         n, tok_s = stats.get("new_tokens"), stats.get("decode_tok_s")
         if n is not None and tok_s:
+            if self.xs and self.xs[-1] == float(n):
+                self.xs.pop()
+                self.ys.pop()
             self.xs.append(float(n))
             self.ys.append(float(tok_s))
             if len(self.xs) > MAX_POINTS:      # a long answer keeps the plot cheap
@@ -156,10 +178,9 @@ class TimingPanel(QDockWidget):
             self.set_kernels(info["kernels"])
         mem = info.get("memory") or {}
         if mem.get("total_bytes"):
-            gib = 1024 ** 3
-            self.memory.setText(f"GPU memory: {mem.get('allocated_bytes', 0) / gib:.2f} GiB allocated, "
-                                f"{mem.get('reserved_bytes', 0) / gib:.2f} GiB reserved of "
-                                f"{mem['total_bytes'] / gib:.1f} GiB")
+            self.memory.setText(f"GPU memory: {format_bytes(mem.get('allocated_bytes', 0))} allocated, "
+                                f"{format_bytes(mem.get('reserved_bytes', 0))} reserved of "
+                                f"{format_bytes(mem['total_bytes'])}")
         else:
             self.memory.setText("")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import statistics
 import time
 from typing import Optional
 
@@ -238,8 +239,9 @@ def transformers_run(cfg, prompt: list[int], new_tokens: int, prefill_lens: list
     return out
 
 
-def prefill_table(be, cfg, lens: list[int]) -> dict:
-    """TTFT (prefill + first token) for several prompt lengths."""
+def prefill_table(be, cfg, lens: list[int], repeats: int = 5) -> dict:
+    """TTFT (prefill + first token) for several prompt lengths: the median of `repeats` runs
+    after a warm-up run (each from an empty cache), and every run's time."""
     out = {}
     for n in lens:
         if n >= be.max_context:
@@ -251,13 +253,17 @@ def prefill_table(be, cfg, lens: list[int]) -> dict:
             be.prefill(prompt)                 # warm-up: compile for this length
             be.begin_sampling(SamplingParams(greedy=True), [])
             be.sample()
-            be.reset()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            be.prefill(prompt)
-            be.sample()
-            dt = time.perf_counter() - t0
-            out[str(n)] = {"ttft_ms": dt * 1e3, "prefill_tok_s": n / dt}
+            runs = []
+            for _ in range(repeats):           # the median: one run can catch a host hiccup
+                be.reset()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                be.prefill(prompt)
+                be.sample()
+                runs.append(time.perf_counter() - t0)
+            dt = statistics.median(runs)
+            out[str(n)] = {"ttft_ms": dt * 1e3, "prefill_tok_s": n / dt,
+                           "ttft_ms_runs": [round(r * 1e3, 3) for r in runs]}
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             out[str(n)] = {"error": "out of memory"}
@@ -322,6 +328,9 @@ def run_bench(args) -> int:
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
             be.reset()
         report["prefill"] = prefill_table(be, cfg, [n for n in lens if n < context])
+        print("TTFT (median of 5): " + ", ".join(
+            f"{n} tok {v['ttft_ms']:.1f} ms" for n, v in report["prefill"].items() if "ttft_ms" in v),
+            file=sys.stderr)
         be.close()
         del be
         torch.cuda.empty_cache()

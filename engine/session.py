@@ -60,6 +60,9 @@ class ChatSession:
             raise ModelFilesError(f"Model folder {model_dir} does not exist.")
         tokenizer = ChatTokenizer.from_dir(model_dir)
         _, backend = load_backend(model_dir, options, valid_vocab=tokenizer.vocab_size, progress=progress)
+        if getattr(backend, "device", None) is not None and backend.device.type == "cuda" \
+                and hasattr(backend, "warm_up"):
+            backend.warm_up(progress)          # compile + capture now, not in the first answer
         return cls(backend, tokenizer, model_dir)
 
     # ---- information ----

@@ -471,6 +471,67 @@ class TritonBackend(Backend):
         t.steps += 1
         t.step_seconds += step_s
 
+    # ---------------------------------------------------------------------- warm-up ----
+    # prompt lengths that reach every prefill tile class (the GEMM tiles change at 16/32/64
+    # rows and at the tuned buckets 128/2048), each also continued by a second turn
+    WARM_PROMPTS = (5, 24, 40, 100, 1000)
+
+    def warm_up(self, progress: Optional[Callable[[str, float], None]] = None,
+                prompt_lengths: Sequence[int] = WARM_PROMPTS) -> None:
+        """Compile the kernels a chat uses and capture the decode graph now, at load, so that
+        the first answer does not pay for them: a prefill at each tile class of prompt length
+        (and a second-turn prefill after it), decode steps in both sampling modes (argmax;
+        temperature/top-k/top-p/min-p with both penalties) run eagerly, then one decode step
+        that captures the graph. Ends with an empty state. Triton keeps compiled kernels on
+        disk, so later loads are much faster than the first; a prompt of a length class or
+        alignment not seen here can still compile once."""
+        vocab = min(self.cfg.vocab_size, 1000)
+        modes = (SamplingParams(greedy=True),
+                 SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05,
+                                presence_penalty=0.5, repetition_penalty=1.05, seed=0))
+        room = self.options.max_context - 16
+        lengths = sorted({max(1, min(int(n), room // 2)) for n in prompt_lengths})
+        prompt = lambda n: [(7 * i + 11) % vocab for i in range(n)]  # noqa: E731
+        graph = self.options.graph
+        self.options.graph = False
+        self._invalidate_graph()
+        total, done = len(lengths) + len(modes), 0
+        try:
+            if progress:
+                progress("kernels", 0.0)
+            for n in lengths:
+                self.reset()
+                self.prefill(prompt(n))
+                self.prefill(prompt(n + 3)[-min(n, room - n):])       # a second turn
+                done += 1
+                if progress:
+                    progress("kernels", done / total)
+            for params in modes:
+                self.reset()
+                self.prefill(prompt(5))
+                self.begin_sampling(params, prompt(5))
+                tok = self.sample()
+                for _ in range(2):
+                    tok = self.step(tok)
+                done += 1
+                if progress:
+                    progress("kernels", done / total)
+        finally:
+            self.options.graph = graph
+        if graph and self.device.type == "cuda":
+            if progress:
+                progress("graph", 0.0)
+            self.reset()
+            self.prefill(prompt(4))
+            self.begin_sampling(modes[1], prompt(4))
+            self.step(self.sample())               # captures the graph of the sampled step
+            if progress:
+                progress("graph", 1.0)
+        self.reset()
+        self._params = SamplingParams()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---------------------------------------------------------------------- snapshots ----
     def snapshot(self):
         return self.state.snapshot()

@@ -6,7 +6,8 @@ The lent GPU machine has torch and Triton but not PySide6, and a PySide6 wheel s
 what can be carried there. The app needs only QtCore/QtGui/QtWidgets/QtSvg (+ QtOpenGL for
 pyqtgraph's optional imports), the offscreen platform plugin and the SVG image/icon plugins, so
 this copies exactly those from the installed PySide6 (abi3 modules: any CPython >= 3.9 loads
-them), with shiboken6, pyqtgraph (+ colorama) and platformdirs, plus the system libraries Qt links that a
+them), with shiboken6, pyqtgraph (+ colorama), platformdirs and pytest-qt (the app tests' qtbot), three
+DejaVu fonts (a machine without fonts draws boxes), plus the system libraries Qt links that a
 slim image may lack (found with ldd; glibc, libstdc++ and libgcc stay the machine's own), into
 one xz tarball (~40 MB). On the GPU machine:
 
@@ -39,7 +40,11 @@ export PYTHONPATH="$_here/site${PYTHONPATH:+:$PYTHONPATH}"
 export LD_LIBRARY_PATH="$_here/lib:$_here/site/PySide6/Qt/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export QT_PLUGIN_PATH="$_here/site/PySide6/Qt/plugins"
 export QT_QPA_PLATFORM="${QT_QPA_PLATFORM:-offscreen}"
+export TRITONCHAT_FONT_DIR="$_here/fonts"       # the GPU window test registers these for its picture
 """
+# a machine without fonts draws boxes: carry a sans, its bold and a mono for the screenshots
+FONTS = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSansMono.ttf")
+FONT_DIRS = ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu", "/usr/share/fonts/TTF")
 
 
 def _pkg_dir(name: str) -> Path:
@@ -95,8 +100,16 @@ def collect() -> list[tuple[Path, str]]:
             items.append((qt / "plugins" / rel, f"site/PySide6/Qt/plugins/{rel}"))
             qt_objs.append(qt / "plugins" / rel)
     add_tree(shiboken, "site/shiboken6", skip_dirs=("include",))
-    for name in ("pyqtgraph", "colorama", "platformdirs"):
+    for name in ("pyqtgraph", "colorama", "platformdirs", "pytestqt"):
         add_tree(_pkg_dir(name), f"site/{name}", skip_dirs=("examples",))
+    # pytest finds the pytest-qt plugin (qtbot) through its dist-info's entry point
+    from importlib.metadata import distribution
+    dist_info = Path(distribution("pytest-qt")._path)
+    add_tree(dist_info, f"site/{dist_info.name}")
+    for font in FONTS:
+        found = next((Path(d) / font for d in FONT_DIRS if (Path(d) / font).exists()), None)
+        if found is not None:
+            items.append((found, f"fonts/{font}"))
     for lib in sorted(_ldd(qt_objs)):
         items.append((lib, f"lib/{lib.name}"))
     return items

@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from tritonchat.app.chat_input import MAX_LINES, ChatInput
 from tritonchat.app.conversation_list import ConversationList, age_text
 from tritonchat.app.theme import DARK, LIGHT
-from tritonchat.app.timing_panel import TimingPanel
+from tritonchat.app.timing_panel import COLUMNS, TimingPanel, format_bytes
 
 
 # ---------------------------------------------------------------- input
@@ -219,3 +219,30 @@ def test_timing_panel_theme_and_many_points(panel):
     for n in range(1, 5000):
         panel.add_stats({"new_tokens": n, "decode_tok_s": 100.0 + n % 7})
     assert len(panel.xs) <= 4000 and panel.xs == sorted(panel.xs)
+
+
+def test_memory_sizes_read_right_at_every_scale():
+    assert format_bytes(2 * 1024 ** 3) == "2.00 GiB" and format_bytes(141 * 1024 ** 3) == "141.0 GiB"
+    assert format_bytes(12.5 * 1024 ** 2) == "12.5 MiB" and format_bytes(640 * 1024) == "640.0 KiB"
+    assert format_bytes(0) == "0 B"
+
+
+def test_kernel_names_keep_their_width_in_a_narrow_panel(panel, qtbot):
+    panel.resize(380, 700)
+    panel.show()
+    name = "gemv_gdn_in_proj_norm_conv"
+    panel.set_kernels([{"name": name, "launches_per_token": 18, "us_per_token": 183.6, "share": 0.2,
+                        "gb_s": 1653.0}])
+    qtbot.waitUntil(lambda: panel.table.columnWidth(0) > 0)
+    metrics = panel.table.fontMetrics()
+    assert panel.table.columnWidth(0) >= metrics.horizontalAdvance(name)
+    assert all(panel.table.horizontalHeaderItem(i).toolTip() for i in range(len(COLUMNS)))
+
+
+def test_final_stats_replace_the_last_live_point(panel):
+    panel.begin_generation()
+    panel.add_stats({"new_tokens": 10, "decode_tok_s": 100.0})
+    panel.add_stats({"new_tokens": 20, "decode_tok_s": 120.0})
+    panel.add_stats({"new_tokens": 20, "decode_tok_s": 90.0, "ttft_ms": 12})   # the final stats
+    assert panel.xs == [10.0, 20.0] and panel.ys == [100.0, 90.0]
+    assert "90.0" in panel.summary.text()

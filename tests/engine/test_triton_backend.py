@@ -194,3 +194,32 @@ def test_interpreter_prefill_across_chunk_boundaries_and_multiturn(ckpt):
     assert r3.stats.cached_tokens == 30
     fresh.forget()
     assert r3.token_ids == fresh.generate(p3, GREEDY, max_new_tokens=3).token_ids
+
+
+def _warm_up_leaves_no_trace(ckpt, device, dtype, graph, prompt_lengths):
+    """warm_up compiles and (with the graph) captures, reports kernels/graph progress, and
+    leaves the engine as if freshly loaded: the same tokens as without a warm-up, greedy and
+    sampled."""
+    cfg, ref, tri = _pair(ckpt, device=device, dtype=dtype, graph=graph)
+    stages = []
+    tri.warm_up(lambda s, f: stages.append((s, f)), prompt_lengths=prompt_lengths)
+    assert tri.length == 0
+    assert stages[0] == ("kernels", 0.0) and ("kernels", 1.0) in stages
+    assert (("graph", 1.0) in stages) == (graph and device == "cuda")
+    _, _, fresh = _pair(ckpt, device=device, dtype=dtype, graph=graph)
+    prompt = list(range(5, 5 + 13))
+    sampled = SamplingParams(temperature=0.9, top_k=10, seed=3)
+    for params in (GREEDY, sampled):
+        a = Generator(fresh, []).generate(prompt, params, max_new_tokens=5)
+        b = Generator(tri, []).generate(prompt, params, max_new_tokens=5)
+        assert a.token_ids == b.token_ids
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_warm_up_leaves_no_trace(ckpt):
+    _warm_up_leaves_no_trace(ckpt, "cpu", "float32", graph=False, prompt_lengths=(3, 20))
+
+
+@pytest.mark.gpu
+def test_warm_up_leaves_no_trace(ckpt):
+    _warm_up_leaves_no_trace(ckpt, "cuda", "bfloat16", graph=True, prompt_lengths=(5, 64))

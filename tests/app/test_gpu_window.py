@@ -1,0 +1,76 @@
+"""GPU only (a CUDA machine with PySide6, e.g. the device check with the Qt bundle): the main
+window on the Triton backend as a user sees it: no CPU banner, an answer with the Triton flags
+under it, the kernel panel filled from the GPU's timings, and split-K / CUDA Graph switched off
+in the settings reaching the next answer, with its speed changing accordingly.
+TRITONCHAT_SCREENSHOT_DIR, when set, receives a picture of the window with the panel open
+(TRITONCHAT_FONT_DIR: fonts to register first, for a machine that has none)."""
+import copy
+import os
+
+import pytest
+
+from tests.app.test_main_window import send, stored
+
+
+def _register_fonts() -> None:
+    folder = os.environ.get("TRITONCHAT_FONT_DIR")
+    if not folder or not os.path.isdir(folder):
+        return
+    from PySide6.QtGui import QFont, QFontDatabase
+    from PySide6.QtWidgets import QApplication
+
+    families = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".ttf"):
+            i = QFontDatabase.addApplicationFont(os.path.join(folder, name))
+            if i >= 0:
+                families += QFontDatabase.applicationFontFamilies(i)
+    if "DejaVu Sans" in families:
+        QApplication.setFont(QFont("DejaVu Sans", 10))
+
+
+@pytest.mark.gpu
+def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    shots = os.environ.get("TRITONCHAT_SCREENSHOT_DIR")
+    if shots:
+        _register_fonts()
+    w = make_window(max_new_tokens=96, context=1024, ignore_eos=True)
+    session = recording_loader.sessions[-1]
+    assert not w.banner.isVisible()
+    assert "triton backend" in w.engine_label.text()
+    w.resize(1400, 860)
+
+    # the timing panel: opening it turns engine timing on
+    w.timing.toggleViewAction().trigger()
+    qtbot.waitUntil(lambda: ("configure", {"timing": True}) in session.calls, timeout=20000)
+    assert w.timing.table.isVisibleTo(w) and not w.timing.note.isVisibleTo(w)
+
+    on = send(qtbot, w, "Hello from the GPU", timeout=120000)
+    msg = stored(w)[-1]
+    assert msg.stats == on
+    assert on["backend"] == "triton" and on["split_k"] is True and on["graph"] is True
+    assert on["new_tokens"] == 96 and on["decode_tok_s"] > 0
+    line = w.chat.messages[-1].stats_label.text()
+    assert "triton" in line and "split-K on" in line and "graph on" in line
+    # the kernel panel holds the GPU's per-kernel timings
+    qtbot.waitUntil(lambda: w.timing.table.rowCount() > 0, timeout=20000)
+    names = [w.timing.table.item(r, 0).text() for r in range(w.timing.table.rowCount())]
+    assert any("gemv" in n for n in names) and any("lm_head" in n for n in names)
+    assert w.timing.xs and all(y > 0 for y in w.timing.ys)
+    if shots:
+        w.grab().save(os.path.join(shots, "gpu_window.png"))
+
+    # split-K and the graph off: the next answer runs without them, and slower (eager launches)
+    s = copy.deepcopy(w.settings)
+    s.split_k, s.graph = False, False
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: ("configure", {"split_k": False, "graph": False}) in session.calls, timeout=20000)
+    off = send(qtbot, w, "And once more without the graph", timeout=120000)
+    assert off["split_k"] is False and off["graph"] is False
+    assert off["decode_tok_s"] < on["decode_tok_s"]
+    line = w.chat.messages[-1].stats_label.text()
+    assert "split-K off" in line and "graph off" in line
