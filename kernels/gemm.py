@@ -56,18 +56,25 @@ def tuned_config(kernel: str, T: int, keys: tuple[str, ...]) -> Optional[dict]:
     the bucket of T, or None. An entry must carry exactly `keys` as positive integers."""
     if T < MIN_TUNED_T:
         return None
-    path = os.environ.get(TUNING_ENV) or str(TUNING_FILE)
-    entry = _load_tuning(path).get(kernel, {}).get(str(t_bucket(T)))
+    entry = _tuned_entry(kernel, t_bucket(T), tuple(keys), os.environ.get(TUNING_ENV) or str(TUNING_FILE))
+    return dict(entry) if entry is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _tuned_entry(kernel: str, bucket: int, keys: tuple[str, ...], path: str) -> Optional[dict]:
+    # per (kernel, bucket, table file): the prefill asks at every launch of every layer
+    entry = _load_tuning(path).get(kernel, {}).get(str(bucket))
     if not isinstance(entry, dict) or set(entry) != set(keys):
         return None
     if not all(isinstance(v, int) and v > 0 for v in entry.values()):
         return None
-    return dict(entry)
+    return entry
 
 
 def clear_tuning_cache() -> None:
     """Forget the loaded table (after the tuner rewrites it, or in tests)."""
     _load_tuning.cache_clear()
+    _tuned_entry.cache_clear()
     _gemm_config_cached.cache_clear()
 
 

@@ -338,10 +338,15 @@ def _sm90_plus(kind: str, index: Optional[int]) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# read once: the eager decode path and the prefill ask pdl_active() twice per launch, and an
+# environment lookup there cost ~2 us a launch on the device's host
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def pdl_active(device: torch.device) -> bool:
     """Whether kernels launched now on `device` use programmatic dependent launch (cheap: the
     eager decode path asks at every launch)."""
-    if not USE_PDL or os.environ.get("TRITON_INTERPRET") == "1":
+    if not USE_PDL or _INTERPRETER:
         return False
     if not isinstance(device, torch.device):
         device = torch.device(device)
