@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
@@ -67,6 +68,50 @@ def summarize(events: list[tuple[str, float, float]], steps: int) -> dict:
     }
 
 
+def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]:
+    """The engine call site of each kernel of one step, in order: `sites` are the engine's
+    launch names in call order, `kernels` the GPU kernels of one step in order. A site launches
+    one kernel, except attention (split + combine) and the LM head site, which also takes the
+    sampling kernels after it. None when the two sequences do not line up."""
+    out: list[str] = []
+    i = 0
+    for j, site in enumerate(sites):
+        if i >= len(kernels):
+            return None
+        out.append(site)
+        i += 1
+        nxt = sites[j + 1] if j + 1 < len(sites) else None
+        if site.startswith("attention"):
+            while i < len(kernels) and kernels[i].startswith("_attn_decode") and "combine" in kernels[i]:
+                out.append(site)
+                i += 1
+        elif site.startswith("lm_head") and nxt is None:
+            while i < len(kernels):
+                out.append(site)
+                i += 1
+    return out if i == len(kernels) else None
+
+
+def per_site(events: list[tuple[str, float, float]], sites: list[str], steps: int) -> Optional[list[dict]]:
+    """Mean duration of each call site's kernels per step (the engine's names: gemv_mlp_down,
+    gdn_decode_core, ...), from `steps` steps of kernel events. None if they do not line up."""
+    if not events or len(events) % steps:
+        return None
+    n = len(events) // steps
+    names = [e[0] for e in events[:n]]
+    owner = attribute_sites(sites, names)
+    if owner is None:
+        return None
+    tot: dict = defaultdict(lambda: [0, 0.0])
+    for k, (_, s, e) in enumerate(events):
+        site = owner[k % n]
+        tot[site][0] += 1
+        tot[site][1] += e - s
+    rows = [{"site": site, "kernels_per_step": c / steps, "us_per_step": t / steps}
+            for site, (c, t) in tot.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pos", type=int, default=640, help="position the profiled steps decode at")
@@ -108,7 +153,21 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             be._graph.replay()
         torch.cuda.synchronize()
-    summary = summarize(_kernel_events(prof), args.steps)
+    events = _kernel_events(prof)
+    summary = summarize(events, args.steps)
+    # the engine's call site of each kernel: one eager step with the launches named
+    sites: list[str] = []
+    launch = be._launch
+    be._launch = lambda name, nbytes, fn, *a, **k: (sites.append(name), fn(*a, **k))[1]
+    try:
+        be.pos_buf.fill_(args.pos)
+        with torch.inference_mode():
+            be._decode_step()
+        torch.cuda.synchronize()
+    finally:
+        del be._launch
+        assert be._launch == launch
+    summary["sites"] = per_site(events, sites, args.steps)
     summary["step_ms_unprofiled"] = wall
     summary["pos"] = args.pos
     summary["gpu"] = torch.cuda.get_device_name()
@@ -120,6 +179,12 @@ def main(argv=None) -> int:
     print(f"{'kernel':60s} {'n/step':>6s} {'mean us':>8s} {'us/step':>8s}")
     for r in summary["kernels"]:
         print(f"{r['name'][:60]:60s} {r['per_step']:6.1f} {r['mean_us']:8.2f} {r['us_per_step']:8.1f}")
+    if summary["sites"]:
+        print(f"{'engine call site':40s} {'kernels':>7s} {'us/step':>8s}")
+        for r in summary["sites"]:
+            print(f"{r['site'][:40]:40s} {r['kernels_per_step']:7.1f} {r['us_per_step']:8.1f}")
+    else:
+        print("(the engine's call sites did not line up with the recorded kernels)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -21,3 +21,27 @@ def test_summarize_counts_overlap_once_and_measures_gaps():
 
 def test_summarize_empty():
     assert summarize([], 5)["kernels"] == []
+
+
+def test_call_sites_take_their_kernels_in_order():
+    from tritonchat.engine.profile_step import attribute_sites, per_site
+    sites = ["embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "gemv_attn_o_proj",
+             "lm_head_norm_argmax"]
+    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_attn_decode_split_kernel",
+               "_attn_decode_combine_kernel", "_fused_gemv_persistent_kernel", "_lm_head_kernel",
+               "_argmax_keys_kernel"]
+    assert attribute_sites(sites, kernels) == [
+        "embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "attention_decode",
+        "gemv_attn_o_proj", "lm_head_norm_argmax", "lm_head_norm_argmax"]
+    assert attribute_sites(sites, kernels[:3]) is None            # too few kernels
+    assert attribute_sites(sites[:3], kernels) is None             # kernels left over
+    events = []
+    for step in range(2):
+        t = step * 100.0
+        for k, name in enumerate(kernels):
+            events.append((name, t + 10 * k, t + 10 * k + (k + 1)))
+    rows = {r["site"]: r for r in per_site(events, sites, 2)}
+    assert rows["attention_decode"]["kernels_per_step"] == 2
+    assert rows["attention_decode"]["us_per_step"] == 3 + 4
+    assert rows["lm_head_norm_argmax"]["us_per_step"] == 6 + 7
+    assert per_site(events[:-1], sites, 2) is None
