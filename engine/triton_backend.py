@@ -105,6 +105,10 @@ class TritonBackend(Backend):
         self._graph = None
         self._timed_graph = None
         self._timed_graph_failed = False
+        from .triton_prefill import prefill_graph_enabled
+        # prompts up to 2,048 tokens replay a captured prefill per bucket length (opt-in until
+        # measured on the GPU: TRITONCHAT_PREFILL_GRAPH=1)
+        self.prefill_graph = prefill_graph_enabled()
         self._sampling_key = None
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
@@ -165,6 +169,7 @@ class TritonBackend(Backend):
 
     def _allocate(self, max_context: int) -> None:
         cfg, dev, dt = self.cfg, self.device, self.dtype
+        self._prefill_graphs = None           # captured over the state tensors replaced here
         self.options.max_context = int(max_context)
         self.state = ModelState(cfg, max_context, dev, dt)
         D, I = cfg.hidden_size, cfg.intermediate_size

@@ -3,15 +3,92 @@
 attention), filling the KV cache and the GDN states that the decode step continues from.
 
 Long prompts run in chunks of PREFILL_CHUNK tokens (every kernel continues from the state the
-previous chunk left), which bounds the activation memory; buffers are allocated per call (prefill
-is not graph-captured). `backend.prefill_kernels = False` switches to the PyTorch reference
-model on the same device, over views of the same merged weights and the same state tensors.
+previous chunk left), which bounds the activation memory; buffers are allocated per call.
+`backend.prefill_kernels = False` switches to the PyTorch reference model on the same device,
+over views of the same merged weights and the same state tensors.
+
+Prefill CUDA graphs (`backend.prefill_graph`, TRITONCHAT_PREFILL_GRAPH=1): up to ~230 kernel
+launches make a short prompt's prefill cost the host 9-16 ms, more than the GPU work. A prompt
+of up to GRAPH_MAX_T tokens can instead run padded to a bucket length B (a multiple of 64, of
+256 past 1,024) as one captured graph per bucket, replayed for every later prompt of that
+bucket, whatever its length and its start position. The padding is made inert: pad rows read
+token 0, their GDN gates are forced to beta = 0 and g = 0 (b and a set to -inf, so the
+recurrent state passes through them unchanged), the conv state is rebuilt from the last real
+inputs, attention is causal (real rows never see the pads, whose K/V land past the new length
+and are overwritten later), and the first position is read from the device. The first prompt
+of a bucket runs the padded path eagerly (compiling what it needs) and then captures it.
 """
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import torch
 
 PREFILL_CHUNK = 8192
+GRAPH_MAX_T = 2048
+
+
+def graph_bucket(T: int) -> Optional[int]:
+    """The padded length a T-token prompt replays at, or None (too long for a graph)."""
+    if T <= 0 or T > GRAPH_MAX_T:
+        return None
+    step = 64 if T <= 1024 else 256
+    return -(-T // step) * step
+
+
+def prefill_graph_enabled() -> bool:
+    return os.environ.get("TRITONCHAT_PREFILL_GRAPH", "0") == "1"
+
+
+class PrefillGraphs:
+    """One captured prefill per bucket length, sharing one memory pool (replays never overlap,
+    and every result is copied into `out`, outside the pool)."""
+
+    def __init__(self, be):
+        self.be = be
+        dev = be.device
+        self.ids = torch.zeros(GRAPH_MAX_T, dtype=torch.long, device=dev)
+        self.t = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.start = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(be.cfg.hidden_size, dtype=be.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.failed = False
+
+    def run(self, ids: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+        """The last token's residual stream (states updated), or None where the graph path does
+        not apply (too long, too close to the end of the context, capture failed before)."""
+        T = ids.numel()
+        B = graph_bucket(T)
+        if B is None or self.failed or start + B > self.be.options.max_context:
+            return None
+        self.ids[:B].zero_()
+        self.ids[:T].copy_(ids)
+        self.t.fill_(T)
+        self.start.fill_(start)
+        g = self.graphs.get(B)
+        if g is not None:
+            g.replay()
+            return self.out
+        self.out.copy_(padded_prefill(self.be, self.ids[:B], self.start, self.t))
+        if self.be.device.type == "cuda":
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.out.copy_(padded_prefill(self.be, self.ids[:B], self.start, self.t))
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[B] = g
+            except Exception:  # noqa: BLE001 - a capture failure leaves the eager path
+                self.failed = True
+        return self.out
+
+
+def padded_prefill(be, ids: torch.Tensor, start: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Prefill of the first t[0] of ids (padded to len(ids) rows with inert tokens) at the
+    first position start[0]; no host reads of device values, so it can be captured."""
+    return _prefill_chunk(be, ids, start, t_dev=t)
 
 
 def prefill_hidden(backend, ids: torch.Tensor) -> torch.Tensor:
@@ -19,13 +96,22 @@ def prefill_hidden(backend, ids: torch.Tensor) -> torch.Tensor:
     if not getattr(backend, "prefill_kernels", True):
         return backend.reference.forward_hidden(ids, backend.state.length, backend.state)
     start = backend.state.length
+    if getattr(backend, "prefill_graph", False) and ids.numel() <= GRAPH_MAX_T:
+        graphs = getattr(backend, "_prefill_graphs", None)
+        if graphs is None:
+            graphs = backend._prefill_graphs = PrefillGraphs(backend)
+        h = graphs.run(ids, start)
+        if h is not None:
+            return h
     h_last = None
     for s in range(0, ids.numel(), PREFILL_CHUNK):
         h_last = _prefill_chunk(backend, ids[s:s + PREFILL_CHUNK], start + s)
     return h_last
 
 
-def _prefill_chunk(be, ids: torch.Tensor, start: int) -> torch.Tensor:
+def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ids [T] at positions start.. (an int, or a device int32 with t_dev: then only the first
+    t_dev[0] rows are real and the rest is inert padding, see the module docstring)."""
     from tritonchat.kernels.conv1d import causal_conv1d
     from tritonchat.kernels.embedding import embedding_gather
     from tritonchat.kernels.flash_attention import attention_prefill
@@ -47,6 +133,11 @@ def _prefill_chunk(be, ids: torch.Tensor, start: int) -> torch.Tensor:
     attn_proj = new(T, 2 * H * hd + 2 * KV * hd) if cfg.full_attention_layers else None
     attn_out = new(T, H * hd) if attn_proj is not None else None
 
+    if t_dev is not None:
+        rows = torch.arange(T, device=dev)
+        pad = rows >= t_dev
+        kc1 = cfg.linear_conv_kernel_dim - 1
+        conv_idx = t_dev.long() + torch.arange(kc1, device=dev)
     embedding_gather(ids, be.embed, h)
     for i, L in enumerate(be.layers):
         rms_norm(h, L.input_norm, eps, x)
@@ -61,7 +152,16 @@ def _prefill_chunk(be, ids: torch.Tensor, start: int) -> torch.Tensor:
             gemm(attn_out, m.o_proj, h, residual=h)
         else:
             gemm(x, m.qkvzba, gdn_proj)
+            if t_dev is not None:
+                # pads: beta = sigmoid(-inf) = 0 and g = -exp(A_log) softplus(-inf) = 0, so the
+                # recurrent state passes through them; the conv state is rebuilt below
+                gdn_proj[:, cd + vd:].masked_fill_(pad[:, None], float("-inf"))
+                old_conv = be.state.conv[i].clone()
             causal_conv1d(gdn_proj[:, :cd], m.conv_w, be.state.conv[i], conv_out)
+            if t_dev is not None:
+                # the last K-1 real inputs: columns t .. t+K-2 of [old state | the new rows^T]
+                seq = torch.cat([old_conv, gdn_proj[:, :cd].t()], dim=1)
+                be.state.conv[i].copy_(seq.index_select(1, conv_idx))
             gdn_prefill(conv_out, gdn_proj[:, cd:cd + vd], gdn_proj[:, cd + vd:cd + vd + Hv],
                         gdn_proj[:, cd + vd + Hv:], m.A_log, m.dt_bias, be.state.rec[i], m.norm_w, gdn_out,
                         num_k_heads=cfg.linear_num_key_heads, num_v_heads=Hv,
@@ -70,4 +170,6 @@ def _prefill_chunk(be, ids: torch.Tensor, start: int) -> torch.Tensor:
         rms_norm(h, L.post_norm, eps, x)
         gemm(x, L.gate_up, act, silu_mul=True)
         gemm(act, L.down, h, residual=h)
+    if t_dev is not None:
+        return h.index_select(0, t_dev.long() - 1)[0]
     return h[-1]

@@ -67,15 +67,26 @@ def _norm_rope_tile(src_ptr, row_off, row_mask, cos, sin, w_ptr, eps,
 
 
 @triton.jit
+def _start(start_pos, START_PTR: tl.constexpr):
+    """The first new position: the int argument, or read from a device int32 (a captured
+    prefill graph serves every turn of a conversation)."""
+    if START_PTR:
+        s0 = tl.load(start_pos).to(tl.int32)
+    else:
+        s0 = start_pos
+    return s0
+
+
+@triton.jit
 def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
                            cos_ptr, sin_ptr, T, start_pos, max_ctx, stride_k, stride_v, eps,
                            HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
-                           BLOCK_T: tl.constexpr):
+                           BLOCK_T: tl.constexpr, START_PTR: tl.constexpr = False):
     pid_t = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
-    pos = start_pos + rows
+    pos = _start(start_pos, START_PTR) + rows
     cols = tl.arange(0, HDP)
     m = row_mask[:, None] & (cols < HD)[None, :]
     dtype = k_ptr.dtype.element_ty
@@ -143,7 +154,7 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
                               GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr,
                               HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
                               BLOCK_N: tl.constexpr, PRO_ROWS: tl.constexpr,
-                              DOT_PREC: tl.constexpr):
+                              DOT_PREC: tl.constexpr, START_PTR: tl.constexpr = False):
     # One program = TOK query tokens x all GROUP query heads of one KV head, stacked as the
     # BLOCK_M = TOK * GROUP_P rows of one Q tile (row r: token r // GROUP_P, head r % GROUP_P),
     # so every K/V tile is loaded once for the whole group and all rows share one causal edge.
@@ -155,7 +166,8 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
     tok = pid_m * TOK + r // GROUP_P
     head = kvh * GROUP + r % GROUP_P
     row_mask = (tok < T) & (r % GROUP_P < GROUP)
-    pos = start_pos + tok
+    s0 = _start(start_pos, START_PTR)
+    pos = s0 + tok
     cols = tl.arange(0, HDP)
     col_mask = (cols < HD)[None, :]
     q_off = tok.to(tl.int64) * stride_qg + head * (2 * HD)
@@ -185,9 +197,9 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HDP), dtype=tl.float32)
     kv_base = kvh.to(tl.int64) * max_ctx
-    kv_len = start_pos + T
+    kv_len = s0 + T
     # keys before the block's first position are visible to every row: no mask needed
-    first_pos = start_pos + pid_m * TOK
+    first_pos = s0 + pid_m * TOK
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
@@ -237,11 +249,12 @@ def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
 
 def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
                       out: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
                       rotary_dim: int, rope_theta: float, eps: float,
                       config: Optional[dict] = None) -> torch.Tensor:
     """Gated attention for T new tokens at positions start_pos.. (see module docstring).
+    start_pos: an int, or a device int32 [1] the kernels read (for a captured prefill graph).
 
     qg [T, H*2*hd] (per-head [query | gate]), k, v [T, Hkv*hd] (rows may be strided views),
     q_norm_w, k_norm_w [hd], k_cache, v_cache [Hkv, max_ctx, hd] contiguous (written at the new
@@ -275,9 +288,16 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_ctx = k_cache.shape[1]
     if v_cache.shape[1] != max_ctx:
         raise ValueError("k_cache and v_cache must have the same max_ctx")
-    start_pos = int(start_pos)
-    if start_pos < 0 or start_pos + T > max_ctx:
-        raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed the cache ({max_ctx})")
+    start_ptr = isinstance(start_pos, torch.Tensor)
+    if start_ptr:
+        # a device int32 [1] read by the kernels (a CUDA graph replays with any start): the
+        # caller guarantees start + T <= max_ctx
+        if start_pos.dtype != torch.int32 or start_pos.numel() != 1 or start_pos.device != qg.device:
+            raise ValueError("a device start_pos must be one int32 on the activations' device")
+    else:
+        start_pos = int(start_pos)
+        if start_pos < 0 or start_pos + T > max_ctx:
+            raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed the cache ({max_ctx})")
     if T == 0:
         return out
 
@@ -294,7 +314,7 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _kv_cache_write_kernel[(cdiv(T, block_t), Hkv)](
         k, v, k_norm_w, inv_freq, k_cache, v_cache, cos_tab, sin_tab, T, start_pos, max_ctx,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
-        num_warps=4)
+        START_PTR=start_ptr, num_warps=4)
     if config is not None:
         cfg = dict(config)
     else:
@@ -310,5 +330,5 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg.stride(0), out.stride(0), qk_scale, eps,
         GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,
         BLOCK_N=cfg["BLOCK_N"], PRO_ROWS=min(block_m, _PROLOGUE_ROWS), DOT_PREC=dot_precision(dt),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        START_PTR=start_ptr, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

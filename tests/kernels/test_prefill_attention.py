@@ -66,6 +66,17 @@ def test_attention_matches_reference(T, dtype, start_pos):
     _check(T, start_pos, SMALL, dtype, seed=T + start_pos)
 
 
+@pytest.mark.parametrize("T,start_pos", [(1, 0), (5, 37), (70, 0), (33, 66)])
+def test_attention_start_read_from_the_device_equals_the_int(T, start_pos):
+    """start_pos as a device int32 (what a captured prefill graph passes) gives exactly what
+    the int gives: the same outputs and cache writes, bit for bit."""
+    inputs = _inputs(T, SMALL, torch.float32, T, start_pos, start_pos + T + 5)
+    a = _run(attention_prefill, inputs, start_pos, SMALL)
+    b = _run(attention_prefill, inputs, torch.tensor([start_pos], dtype=torch.int32, device=DEVICE), SMALL)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dims", [
     dict(num_heads=8, num_kv_heads=2, head_dim=64, rotary_dim=64, rope_theta=1e7, eps=1e-6),
     dict(num_heads=2, num_kv_heads=2, head_dim=32, rotary_dim=8, rope_theta=1e6, eps=1e-5),
