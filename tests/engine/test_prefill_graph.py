@@ -12,7 +12,6 @@ import torch
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tritonchat.engine.api import EngineOptions, SamplingParams
 from tritonchat.engine.config import load_config
-from tritonchat.engine.generation import Generator
 from tritonchat.engine.reference import torch_dtype
 from tritonchat.engine.triton_prefill import GRAPH_MAX_T, graph_bucket
 from tritonchat.engine.weights import load_weights
