@@ -66,7 +66,9 @@ class TimingPanel(QDockWidget):
         self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.plot.setMouseEnabled(x=False, y=False)
         self.plot.hideButtons()
-        self.curve = self.plot.plot([], [])
+        # markers too: a short answer gives one or two updates, and a lone point has no line
+        self.curve = self.plot.plot([], [], symbol="o", symbolSize=5)
+        self.plot.enableAutoRange(axis="y", enable=False)   # tok/s from 0: a steady rate reads flat
 
         self.table = QTableWidget(0, len(COLUMNS), body)
         self.table.setHorizontalHeaderLabels(COLUMNS)
@@ -133,6 +135,8 @@ class TimingPanel(QDockWidget):
                 w.getAxis(axis).setPen(pg.mkPen(colors.muted))
                 w.getAxis(axis).setTextPen(pg.mkPen(colors.muted))
         self.curve.setPen(pg.mkPen(colors.plot_line, width=2))
+        self.curve.setSymbolBrush(QColor(colors.plot_line))
+        self.curve.setSymbolPen(pg.mkPen(None))
         if self.kernels:
             self._draw_bars()
 
@@ -155,7 +159,7 @@ class TimingPanel(QDockWidget):
             if len(self.xs) > MAX_POINTS:      # a long answer keeps the plot cheap
                 self.xs, self.ys = self.xs[::2], self.ys[::2]
             if self.isVisible():
-                self.curve.setData(self.xs, self.ys)
+                self._redraw_curve()
         parts = []
         if tok_s:
             parts.append(f"<b>{float(tok_s):,.1f}</b> tok/s")
@@ -220,8 +224,13 @@ class TimingPanel(QDockWidget):
         axis.setTicks([[(y, str(r.get("name", "?"))[:24]) for y, r in zip(ys, rows)]])
         self.bars.getViewBox().invertY(True)
 
+    def _redraw_curve(self) -> None:
+        self.curve.setData(self.xs, self.ys)
+        top = max(self.ys) if self.ys else 1.0
+        self.plot.setYRange(0.0, top * 1.15, padding=0)
+
     def showEvent(self, event) -> None:
         super().showEvent(event)
-        self.curve.setData(self.xs, self.ys)
+        self._redraw_curve()
         if self.kernels:
             self._draw_bars()

@@ -246,3 +246,12 @@ def test_final_stats_replace_the_last_live_point(panel):
     panel.add_stats({"new_tokens": 20, "decode_tok_s": 90.0, "ttft_ms": 12})   # the final stats
     assert panel.xs == [10.0, 20.0] and panel.ys == [100.0, 90.0]
     assert "90.0" in panel.summary.text()
+
+
+def test_tok_s_plot_starts_at_zero_and_marks_each_update(panel):
+    panel.show()
+    panel.begin_generation()
+    panel.add_stats({"new_tokens": 96, "decode_tok_s": 2400.0})    # a short answer: one update
+    ymin, ymax = panel.plot.getViewBox().viewRange()[1]
+    assert ymin == 0.0 and ymax >= 2400.0
+    assert panel.curve.opts["symbol"] == "o"
