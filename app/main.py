@@ -45,6 +45,9 @@ def app_icon():
     return icon
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from PySide6.QtWidgets import QApplication
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     from .settings import APPLICATION, ORGANIZATION, open_settings
     from .store import ChatStore
 
+    # The engine thread needs the GIL for a moment between decode steps (~0.75 ms apart); when
+    # the GUI thread is in Python (rendering an answer) CPython hands the GIL over only every
+    # switch interval, 5 ms by default: 0.5 ms keeps the GPU fed. (Simulated decode loop next
+    # to a re-rendering 10,000-word answer: 76% of its speed at 5 ms, 86% at 0.5 ms.)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)

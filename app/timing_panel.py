@@ -68,7 +68,7 @@ class TimingPanel(QDockWidget):
         self.plot.hideButtons()
         # markers too: a short answer gives one or two updates, and a lone point has no line
         self.curve = self.plot.plot([], [], symbol="o", symbolSize=5)
-        self.plot.enableAutoRange(axis="y", enable=False)   # tok/s from 0: a steady rate reads flat
+        self.plot.disableAutoRange()       # both axes from 0: a steady rate reads flat
 
         self.table = QTableWidget(0, len(COLUMNS), body)
         self.table.setHorizontalHeaderLabels(COLUMNS)
@@ -228,6 +228,7 @@ class TimingPanel(QDockWidget):
         self.curve.setData(self.xs, self.ys)
         top = max(self.ys) if self.ys else 1.0
         self.plot.setYRange(0.0, top * 1.15, padding=0)
+        self.plot.setXRange(0.0, max(self.xs[-1] if self.xs else 1.0, 1.0) * 1.05, padding=0)
 
     def showEvent(self, event) -> None:
         super().showEvent(event)

@@ -254,3 +254,21 @@ def test_long_code_lines_wrap_inside_the_bubble(view, qtbot):
     assert line in doc.toPlainText().replace("\u2028", "").replace("\n", "")
     # the wrapped block is taller than one line of code
     assert doc.size().height() > 3 * w.body.fontMetrics().height()
+
+
+def test_render_interval_follows_the_render_cost(view, monkeypatch, qtbot):
+    """A long answer costs more to re-render: the interval grows with the cost (the GUI thread
+    leaves the GIL to the engine thread), and the next answer starts at the base interval."""
+    import time
+
+    from tritonchat.app import chat_view as cv
+    w = view.begin_stream(1, thinking_enabled=False)
+    assert view._timer.interval() == cv.RENDER_INTERVAL_MS
+    original = w.render
+    monkeypatch.setattr(w, "render", lambda: (time.sleep(0.02), original()))   # 20 ms a render
+    view.append_stream("", "slow ")
+    qtbot.waitUntil(lambda: view._timer.interval() > cv.RENDER_INTERVAL_MS, timeout=3000)
+    assert cv.RENDER_COST_FACTOR * 20 <= view._timer.interval() <= cv.RENDER_MAX_INTERVAL_MS
+    view.finish_stream(w.content, "", None, {"new_tokens": 1, "stop_reason": "eos"})
+    view.begin_stream(2, thinking_enabled=False)
+    assert view._timer.interval() == cv.RENDER_INTERVAL_MS

@@ -1,10 +1,13 @@
 """The entry point: `tritonchat` with no sub-command opens the window on the given model."""
 from __future__ import annotations
 
+import sys
+
+import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
-from tritonchat.app.main import app_icon, main, parse_args
+from tritonchat.app.main import GIL_SWITCH_INTERVAL_S, app_icon, main, parse_args
 from tritonchat.app.main_window import MainWindow
 from tritonchat.app.store import ChatStore
 
@@ -41,8 +44,13 @@ def test_main_opens_the_window_loads_and_quits(qtbot, tmp_path, tiny_model_dir):
 
     QTimer.singleShot(0, drive)
     db = tmp_path / "chats.sqlite3"
-    code = main(["--model", str(tiny_model_dir), "--backend", "reference", "--device", "cpu",
-                 "--db", str(db), "--settings", str(tmp_path / "settings.ini")])
+    switch = sys.getswitchinterval()
+    try:
+        code = main(["--model", str(tiny_model_dir), "--backend", "reference", "--device", "cpu",
+                     "--db", str(db), "--settings", str(tmp_path / "settings.ini")])
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)  # engine thread fed
+    finally:
+        sys.setswitchinterval(switch)
     assert code == 0
     assert seen["model_dir"] == str(tiny_model_dir)
     assert seen["options"]["backend"] == "reference" and seen["options"]["device"] == "cpu"

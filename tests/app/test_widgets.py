@@ -252,6 +252,6 @@ def test_tok_s_plot_starts_at_zero_and_marks_each_update(panel):
     panel.show()
     panel.begin_generation()
     panel.add_stats({"new_tokens": 96, "decode_tok_s": 2400.0})    # a short answer: one update
-    ymin, ymax = panel.plot.getViewBox().viewRange()[1]
-    assert ymin == 0.0 and ymax >= 2400.0
+    (xmin, xmax), (ymin, ymax) = panel.plot.getViewBox().viewRange()
+    assert ymin == 0.0 and ymax >= 2400.0 and xmin == 0.0 and xmax >= 96
     assert panel.curve.opts["symbol"] == "o"
