@@ -430,6 +430,20 @@ class TritonBackend(Backend):
         self.state.length += 1
         self._pending_head = False
 
+    def _capture_timed_graph(self) -> None:
+        """The decode step with an event-record node between kernels (for the timing panel)."""
+        t = self._timer
+        events: list = []
+        t.events = events
+        self._timer_active = t
+        try:
+            self._timed_graph = capture_graph(self)
+            self._timed_events = list(events)
+        except Exception:
+            self._timed_graph_failed = True
+        finally:
+            self._timer_active = None
+
     def _timed_decode(self) -> None:
         """One decode step whose kernels are timed: replayed from a graph with an event-record node
         between launches (the kernels' GPU time inside the step, without host launch gaps), or
@@ -439,16 +453,7 @@ class TritonBackend(Backend):
             self._decode_step()
             return
         if self._timed_graph is None and not self._timed_graph_failed:
-            events: list = []
-            t.events = events
-            self._timer_active = t
-            try:
-                self._timed_graph = capture_graph(self)
-                self._timed_events = list(events)
-            except Exception:
-                self._timed_graph_failed = True
-            finally:
-                self._timer_active = None
+            self._capture_timed_graph()
         if self._timed_graph is not None:
             self._timed_graph.replay()
             torch.cuda.synchronize(self.device)
@@ -563,6 +568,13 @@ class TritonBackend(Backend):
             self.options.timing = bool(timing)
             self._timer = _Timer() if timing else None
             self._last_timed = 0.0
+            # capture the timed step now (the panel opens between answers), not inside the
+            # next answer's first step, where it would cost that answer ~20 ms
+            if (timing and self.options.graph and self.device.type == "cuda"
+                    and self._sampling_key is not None and self._timed_graph is None
+                    and not self._timed_graph_failed):
+                with torch.inference_mode():
+                    self._capture_timed_graph()
 
     def set_max_context(self, n: int) -> None:
         self._graph = None

@@ -223,3 +223,18 @@ def test_interpreter_warm_up_leaves_no_trace(ckpt):
 @pytest.mark.gpu
 def test_warm_up_leaves_no_trace(ckpt):
     _warm_up_leaves_no_trace(ckpt, "cuda", "bfloat16", graph=True, prompt_lengths=(5, 64))
+
+
+@pytest.mark.gpu
+def test_opening_the_timing_panel_captures_the_timed_step_at_once(ckpt):
+    """configure(timing=True) between answers captures the timed decode graph then, so the
+    next answer does not pay for it; timing leaves the tokens unchanged."""
+    cfg, ref, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True)
+    gen = Generator(tri, [])
+    prompt = list(range(3, 24))
+    a = gen.generate(prompt, GREEDY, max_new_tokens=5).token_ids
+    assert tri._timed_graph is None
+    tri.configure(timing=True)
+    assert tri._timed_graph is not None
+    b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=5).token_ids
+    assert a == b and tri.kernel_timings()
