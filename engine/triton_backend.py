@@ -538,7 +538,6 @@ class TritonBackend(Backend):
             if progress:
                 progress("graph", 1.0)
         self.reset()
-        self._params = SamplingParams()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

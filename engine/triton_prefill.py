@@ -138,6 +138,7 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
         pad = rows >= t_dev
         kc1 = cfg.linear_conv_kernel_dim - 1
         conv_idx = t_dev.long() + torch.arange(kc1, device=dev)
+        in_old = (conv_idx < kc1)[None, :]
     embedding_gather(ids, be.embed, h)
     for i, L in enumerate(be.layers):
         rms_norm(h, L.input_norm, eps, x)
@@ -159,9 +160,11 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
                 old_conv = be.state.conv[i].clone()
             causal_conv1d(gdn_proj[:, :cd], m.conv_w, be.state.conv[i], conv_out)
             if t_dev is not None:
-                # the last K-1 real inputs: columns t .. t+K-2 of [old state | the new rows^T]
-                seq = torch.cat([old_conv, gdn_proj[:, :cd].t()], dim=1)
-                be.state.conv[i].copy_(seq.index_select(1, conv_idx))
+                # the last K-1 real inputs: columns t .. t+K-2 of [old state | the new rows^T],
+                # gathered from whichever side holds each (the kernel stored the pads' inputs)
+                from_rows = gdn_proj[:, :cd].index_select(0, (conv_idx - kc1).clamp(min=0)).t()
+                from_old = old_conv.index_select(1, conv_idx.clamp(max=kc1 - 1))
+                torch.where(in_old, from_old, from_rows, out=be.state.conv[i])
             gdn_prefill(conv_out, gdn_proj[:, cd:cd + vd], gdn_proj[:, cd + vd:cd + vd + Hv],
                         gdn_proj[:, cd + vd + Hv:], m.A_log, m.dt_bias, be.state.rec[i], m.norm_w, gdn_out,
                         num_k_heads=cfg.linear_num_key_heads, num_v_heads=Hv,

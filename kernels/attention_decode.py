@@ -15,8 +15,6 @@ slice of positions: the slice length is ceil((p+1)/num_splits) rounded up to BLO
 computed on the device from `pos`, so one CUDA graph serves every position. Splits past the end
 store m = -inf, l = 0. The new token's K/V are used from registers and written to the cache by
 split 0; no program reads cache slot p during this launch, so the write cannot race a read.
-The position and each split's first K/V tile are loaded before the PDL wait (earlier steps wrote
-them), so at short contexts the cache read overlaps the previous kernel.
 Softmax is online in fp32 (base 2); the probabilities are rounded to the cache dtype for the
 P V tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). The partials
 (acc, m, l) go to `partials`.
@@ -71,20 +69,6 @@ def _norm_rope_tile(base, row_mask, w_ptr, offs_d, pos_f, eps, freq_log2_step,
 
 
 @triton.jit
-def _attn_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update with one [BLOCK_N, BLOCK_D] K/V tile (at least one valid row)."""
-    cdt = kt.dtype
-    s = tl.dot(q_dot, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))          # finite: the tile has a valid column
-    alpha = tl.exp2(m_i - m_new)
-    pexp = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(pexp, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(pexp.to(cdt), vt, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr,
                               v_cache_ptr, pos_ptr, part_ptr, max_ctx, eps, qk_scale_log2,
                               freq_log2_step,
@@ -93,32 +77,15 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
+    _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     cdt = k_cache_ptr.dtype.element_ty
-    # Before the wait: the position and this split's first K/V tile. Both were written by earlier
-    # decode steps (earlier graph replays, complete before this one started), so they can be read
-    # while the previous kernel of this step still runs; only q/k/v of this token need the wait.
     p = tl.load(pos_ptr).to(tl.int32)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HD
-    kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
-    vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
-    # this split's positions [start, end) of 0..p; the cache holds all but p itself
-    n_tok = p + 1
-    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, n_tok)
-    cache_end = tl.minimum(tl.minimum(end, p), max_ctx)
-    offs_n0 = start + tl.arange(0, BLOCK_N)
-    n_mask0 = offs_n0 < cache_end
-    kv_off0 = offs_n0.to(tl.int64)[:, None] * HD + offs_d[None, :]
-    kv_mask0 = n_mask0[:, None] & d_mask[None, :]
-    kt0 = tl.load(kc + kv_off0, mask=kv_mask0, other=0.0)
-    vt0 = tl.load(vc + kv_off0, mask=kv_mask0, other=0.0)
-    _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
     pos_f = p.to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
+    d_mask = offs_d < HD
     h_mask = offs_h < GROUP
     heads = kvh * GROUP + offs_h
 
@@ -131,28 +98,40 @@ def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_
     k_new = k_new.to(cdt).to(tl.float32)
     v_new = tl.load(v_ptr + kvh * HD + offs_d, mask=d_mask, other=0.0).to(cdt)
 
+    kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
+    vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     if split == 0:
         # (p broadcast to a vector: the interpreter rejects a scalar & vector store mask)
         slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)
         tl.store(kc + p.to(tl.int64) * HD + offs_d[None, :], k_new.to(cdt), mask=slot_ok[None, :])
         tl.store(vc + p.to(tl.int64) * HD + offs_d, v_new, mask=slot_ok)
 
+    # this split's positions [start, end) of 0..p; the cache holds all but p itself
+    n_tok = p + 1
+    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, n_tok)
+    cache_end = tl.minimum(tl.minimum(end, p), max_ctx)
+
     q_dot = q.to(cdt)
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    if start < cache_end:                                   # the prefetched first tile
-        m_i, l_i, acc = _attn_tile(q_dot, kt0, vt0, n_mask0, m_i, l_i, acc, qk_scale_log2,
-                                   DOT_PRECISION)
-    for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
+    for n0 in range(start, cache_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < cache_end
         kv_off = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         kt = tl.load(kc + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q_dot, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))          # finite: the tile has a valid column
+        alpha = tl.exp2(m_i - m_new)
+        pexp = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pexp, axis=1)
         vt = tl.load(vc + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attn_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
-                                   DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(pexp.to(cdt), vt, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     # the new token (position p) belongs to the split whose range holds p
     s_cur = tl.sum(q * k_new, axis=1) * qk_scale_log2

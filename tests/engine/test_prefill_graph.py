@@ -73,7 +73,7 @@ def _compare(ckpt, device, dtype, turns, tol):
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
-@pytest.mark.parametrize("turns", [(1,), (3,), (63,), (64,), (65,), (20, 5), (9, 70)],
+@pytest.mark.parametrize("turns", [(1,), (3,), (63,), (64,), (65,), (20, 5), (20, 2), (9, 70)],
                          ids=lambda t: "+".join(map(str, t)))
 def test_padded_prefill_leaves_the_plain_state(ckpt, turns):
     assert os.environ.get("TRITON_INTERPRET") == "1"

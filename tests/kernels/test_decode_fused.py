@@ -44,6 +44,28 @@ def _vec(n, g, scale=1.0, dtype=torch.float32):
     return (torch.randn(n, generator=g) * scale).to(DEVICE, dtype)
 
 
+def _epilogue_case(epilogue, n_out, g, dtype, conv_channels):
+    """(out, launcher kwargs, reference kwargs) for one GEMV epilogue: `out` is NaN-filled (or
+    the residual itself for residual_inplace); the conv case holds a state of 3 inputs for the
+    first `conv_channels` rows."""
+    kw, ref_kw = {}, {}
+    if epilogue == "residual_inplace":
+        res = _vec(n_out, g, 1.0, dtype)
+        out = res.clone()
+        kw, ref_kw = dict(residual=out), dict(residual=res)
+    else:
+        out = torch.full((n_out,), float("nan"), device=DEVICE, dtype=dtype)
+    if epilogue == "silu_mul":
+        kw, ref_kw = dict(silu_mul=True), dict(silu_mul=True)
+    if epilogue == "conv":
+        C, kwid = conv_channels, 4
+        conv_w = _vec(C * kwid, g, 0.5, dtype).view(C, kwid)
+        conv_state = _vec(C * (kwid - 1), g, 1.0, dtype).view(C, kwid - 1)
+        ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
+        kw = dict(conv_state=conv_state, conv_w=conv_w)
+    return out, kw, ref_kw
+
+
 # ------------------------------------------------------------------------------------------
 # GEMV with the zero-centred RMSNorm prologue
 # ------------------------------------------------------------------------------------------
@@ -61,22 +83,10 @@ def test_gemv_rmsnorm_epilogues(epilogue, split_k, dtype):
     W = _vec(n_rows * K, g, K ** -0.5, dtype).view(n_rows, K)
     silu = epilogue == "silu_mul"
     n_out = n_rows // 2 if silu else n_rows
-    kw = {}
-    ref_kw = {}
-    if epilogue == "residual_inplace":
-        res = _vec(n_out, g, 1.0, dtype)
-        out = res.clone()
-        kw, ref_kw = dict(residual=out), dict(residual=res)
-    else:
-        out = torch.full((n_out,), float("nan"), device=DEVICE, dtype=dtype)
-    if silu:
-        kw = ref_kw = dict(silu_mul=True)
+    out, kw, ref_kw = _epilogue_case(epilogue, n_out, g, dtype, conv_channels=45)
     if epilogue == "conv":
-        C, kwid = 45, 4
-        conv_w = _vec(C * kwid, g, 0.5, dtype).view(C, kwid)
-        conv_state = _vec(C * (kwid - 1), g, 1.0, dtype).view(C, kwid - 1)
-        ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
-        kw = dict(conv_state=conv_state, conv_w=conv_w.unsqueeze(1))    # nn.Conv1d layout too
+        kw["conv_w"] = kw["conv_w"].unsqueeze(1)                    # nn.Conv1d layout too
+    conv_state = kw.get("conv_state")
     want, want_state = gemv_fused_ref(h, W, norm_w=norm_w, eps=EPS, out_dtype=dtype, **ref_kw)
     part, cnt = _scratch(n_out, split_k, block_n, silu)
     gemv_rmsnorm(h, norm_w, EPS, W, out, split_k=split_k, partials=part, counters=cnt,
@@ -132,21 +142,8 @@ def test_gemv_fused_persistent_form(epilogue, n_rows, K, block_n, dtype):
     silu = epilogue == "silu_mul"
     n_out = n_rows // 2 if silu else n_rows
     for nw in (norm_w, None):
-        kw, ref_kw = {}, {}
-        if epilogue == "residual_inplace":
-            res = _vec(n_out, g, 1.0, dtype)
-            out = res.clone()
-            kw, ref_kw = dict(residual=out), dict(residual=res)
-        else:
-            out = torch.full((n_out,), float("nan"), device=DEVICE, dtype=dtype)
-        if silu:
-            kw = ref_kw = dict(silu_mul=True)
-        if epilogue == "conv":
-            C, kwid = min(45, n_out), 4
-            conv_w = _vec(C * kwid, g, 0.5, dtype).view(C, kwid)
-            conv_state = _vec(C * (kwid - 1), g, 1.0, dtype).view(C, kwid - 1)
-            ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
-            kw = dict(conv_state=conv_state, conv_w=conv_w)
+        out, kw, ref_kw = _epilogue_case(epilogue, n_out, g, dtype, conv_channels=min(45, n_out))
+        conv_state = kw.get("conv_state")
         want, want_state = gemv_fused_ref(h, W, norm_w=nw, eps=EPS, out_dtype=dtype, **ref_kw)
         gemv_fused(h, W, out, norm_w=nw, eps=EPS, split_k=1, block_n=block_n, num_warps=4,
                    persistent=1, **kw)
