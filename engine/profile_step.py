@@ -1,6 +1,7 @@
 """Profile the captured decode step kernel by kernel (GPU only).
 
     python -m tritonchat.engine.profile_step [--pos 640] [--steps 50] [--json FILE]
+    python -m tritonchat.engine.profile_step --prefill 2048 [--steps 20] [--json FILE]
 
 The kernel panel times each kernel with CUDA events between launches, which adds the launch gaps
 back in; this tool instead records the real graph replays with the CUDA profiler (CUPTI through
@@ -8,6 +9,12 @@ torch.profiler) at the true 0.8B shape on random weights, and reports for one st
 count, mean duration and summed time, the time the GPU had at least one kernel running (the
 union: overlap from programmatic dependent launch counts once), the step's wall time, and the
 idle gaps between kernels - the fixed cost that fusion or a persistent kernel would remove.
+
+`--prefill T` records instead what a chat's time to first token runs on the GPU: a prefill of T
+tokens (replayed from its captured prefill graph up to 2,048 tokens, as the app runs it) and the
+first token, per prefill: each kernel's count and time, the busy time. Timing each prefill
+kernel alone overstates its share (cold caches, no overlap); this is the split inside the real
+TTFT.
 """
 from __future__ import annotations
 
@@ -121,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host", action="store_true", help="profile the host side of eager decode "
                     "steps and a prefill instead (cProfile)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt length for --host")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile prefills of this many tokens (+ the first token) instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_step needs a CUDA GPU", file=sys.stderr)
@@ -143,6 +152,8 @@ def main(argv=None) -> int:
     be.sample()
     if args.host:
         return _host_profile(be, args)
+    if args.prefill:
+        return _prefill_profile(be, args)
     replay_or_capture(be)
     for _ in range(3):
         replay_ms(be._graph, 20, before=lambda: be.pos_buf.fill_(args.pos))
@@ -183,6 +194,45 @@ def main(argv=None) -> int:
             print(f"{r['site'][:40]:40s} {r['kernels_per_step']:7.1f} {r['us_per_step']:8.1f}")
     else:
         print("(the engine's call sites did not line up with the recorded kernels)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _prefill_profile(be, args) -> int:
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = list(range(3000, 3000 + args.prefill))
+
+    def ttft():
+        be.reset()
+        be.prefill(ids)
+        be.sample()                                   # the first token, on the host
+
+    for _ in range(3):
+        ttft()                                        # compiled, prefill graph captured
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        ttft()
+    wall = (time.perf_counter() - t0) / args.steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            ttft()
+        torch.cuda.synchronize()
+    # per prefill: the gaps between prefills (host work of reset/sample) count as idle
+    summary = summarize(_kernel_events(prof), args.steps)
+    summary.update(prefill_tokens=args.prefill, ttft_ms_unprofiled=wall * 1e3,
+                   prefill_graph=bool(getattr(be, "prefill_graph", False)),
+                   gpu=torch.cuda.get_device_name())
+    print(f"prefill of {args.prefill} tokens + first token: {wall * 1e3:.2f} ms unprofiled; GPU busy "
+          f"{summary.get('busy_us_per_step', 0) / 1e3:.2f} ms, {summary['kernels_per_step']:.0f} kernels")
+    print(f"{'kernel':60s} {'n':>5s} {'mean us':>8s} {'ms':>7s}")
+    for r in summary["kernels"]:
+        print(f"{r['name'][:60]:60s} {r['per_step']:5.0f} {r['mean_us']:8.1f} {r['us_per_step'] / 1e3:7.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -106,9 +106,8 @@ class TritonBackend(Backend):
         self._timed_graph = None
         self._timed_graph_failed = False
         from .triton_prefill import prefill_graph_enabled
-        # prompts up to 2,048 tokens replay a captured prefill per bucket length (opt-in until
-        # measured on the GPU: TRITONCHAT_PREFILL_GRAPH=1)
-        self.prefill_graph = prefill_graph_enabled()
+        # prompts up to 2,048 tokens replay a captured prefill per bucket length (CUDA)
+        self.prefill_graph = prefill_graph_enabled(self.device)
         self._sampling_key = None
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
