@@ -42,8 +42,9 @@ def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
 def _gemv_candidates(n_out: int, k: int, prologue: str, head_dim: int, silu_mul: bool = False):
     """Plans to try for one GEMV: the persistent direct form first (the structural candidate),
     then tiles x warps x split-K of the grid form."""
+    from tritonchat.kernels.gemv import gated_persistent_ok
     small = n_out <= 2048
-    if prologue != "gated":
+    if prologue != "gated" or gated_persistent_ok(k, head_dim):
         kp = max(16, 1 << (k - 1).bit_length())
         for per_sm in (1, 2):
             for bn in (2, 4, 8, 16):

@@ -454,38 +454,69 @@ def _x_gated(o_ptr, z_ptr, nw_ptr, base, ds, d_ok, inv_rms, MASK_K: tl.constexpr
 
 
 @triton.jit
-def _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
-                    CONV_DIM, EPI: tl.constexpr, KW: tl.constexpr):
+def _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr, CONV_DIM,
+             EPI: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the epilogue reads besides the GEMV result: the residual rows (EPI_RESIDUAL), the
+    conv state and weights of the conv channels among the rows (EPI_CONV; `s_nxt` = the state
+    shifted by one slot), loaded as whole [rows, taps] tiles. (Loading them before the PDL wait
+    was measured: no change in the step on the H200.)"""
+    KWP: tl.constexpr = triton.next_power_of_2(KW)
+    jj = tl.arange(0, KWP)
+    r = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    w2 = tl.zeros((BLOCK_N, KWP), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_N, KWP), dtype=tl.float32)
+    s_nxt = tl.zeros((BLOCK_N, KWP), dtype=tl.float32)
+    if EPI == 1:
+        r = tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if EPI == 3:
+        is_conv = row_mask & (rows < CONV_DIM)
+        c = tl.where(is_conv, rows, 0).to(tl.int64)
+        s_rows = conv_state_ptr + c[:, None] * (KW - 1)
+        w2 = tl.load(conv_w_ptr + c[:, None] * KW + jj[None, :],
+                     mask=is_conv[:, None] & (jj[None, :] < KW), other=0.0).to(tl.float32)
+        s2 = tl.load(s_rows + jj[None, :], mask=is_conv[:, None] & (jj[None, :] < KW - 1),
+                     other=0.0).to(tl.float32)
+        s_nxt = tl.load(s_rows + jj[None, :] + 1, mask=is_conv[:, None] & (jj[None, :] < KW - 2),
+                        other=0.0).to(tl.float32)
+    return r, w2, s2, s_nxt
+
+
+@triton.jit
+def _col(t, jj, j: tl.constexpr):
+    """Column j of a [BLOCK_N, KWP] tile (a sum of one value and zeros: exact)."""
+    return tl.sum(tl.where(jj[None, :] == j, t, 0.0), axis=1)
+
+
+@triton.jit
+def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2, s_nxt,
+                    EPI: tl.constexpr, KW: tl.constexpr):
+    # r, w2, s2, s_nxt: _epi_pre's loads for these rows
     out_ty = out_ptr.dtype.element_ty
     act_dtype = out_ty                            # the unfused path rounds to its buffer
     if EPI == 2:
         y = y * tl.sigmoid(y) * up
     if EPI == 1:
-        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        y += r
     if EPI == 3:
         # causal depthwise conv step for the conv channels among these rows (one owner each)
+        KWP: tl.constexpr = triton.next_power_of_2(KW)
+        jj = tl.arange(0, KWP)
         is_conv = row_mask & (rows < CONV_DIM)
         c = tl.where(is_conv, rows, 0).to(tl.int64)
         m_new = y.to(act_dtype)                   # the projection output, as stored unfused
-        acc = m_new.to(tl.float32) * tl.load(conv_w_ptr + c * KW + (KW - 1), mask=is_conv,
-                                             other=0.0).to(tl.float32)
-        for j in tl.static_range(KW - 1):
-            s_j = tl.load(conv_state_ptr + c * (KW - 1) + j, mask=is_conv, other=0.0)
-            w_j = tl.load(conv_w_ptr + c * KW + j, mask=is_conv, other=0.0)
-            acc += s_j.to(tl.float32) * w_j.to(tl.float32)
+        acc = m_new.to(tl.float32) * _col(w2, jj, KW - 1)
+        for j in tl.static_range(KW - 1):         # the unfused order: newest tap first
+            acc += _col(s2, jj, j) * _col(w2, jj, j)
         conv = acc.to(act_dtype).to(tl.float32)
         silu = (conv * tl.sigmoid(conv)).to(act_dtype).to(tl.float32)
-        # After the K reduction a row's value is replicated over several threads, and each
-        # replica shifts the state too: a barrier between every read and every overwrite keeps
-        # a lagging replica from reading a slot another replica already shifted.
+        # the state shifted by one slot, the new value last; every replica of a row (after the
+        # K reduction a row's value sits in several threads) stores the same values, and the
+        # old state was read before (the reduction's barrier orders the reads first)
+        new_s = tl.where(jj[None, :] == KW - 2, m_new.to(tl.float32)[:, None], s_nxt)
         tl.debug_barrier()
-        for j in tl.static_range(KW - 2):
-            nxt = tl.load(conv_state_ptr + c * (KW - 1) + (j + 1), mask=is_conv, other=0.0)
-            tl.debug_barrier()
-            tl.store(conv_state_ptr + c * (KW - 1) + j, nxt, mask=is_conv)
-            tl.debug_barrier()
-        tl.store(conv_state_ptr + c * (KW - 1) + (KW - 2),
-                 m_new.to(conv_state_ptr.dtype.element_ty), mask=is_conv)
+        tl.store(conv_state_ptr + c[:, None] * (KW - 1) + jj[None, :],
+                 new_s.to(conv_state_ptr.dtype.element_ty),
+                 mask=is_conv[:, None] & (jj[None, :] < KW - 1))
         y = tl.where(is_conv, silu, y)
     tl.store(out_ptr + rows, y.to(out_ty), mask=row_mask)
 
@@ -561,9 +592,11 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
 
     y = tl.sum(acc, axis=1)
     up = tl.sum(acc_u, axis=1)
+    r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr, CONV_DIM,
+                                EPI, KW, BLOCK_N)
     if SPLIT_K == 1:
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
-                        CONV_DIM, EPI, KW)
+        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+                        s_nxt, EPI, KW)
     else:
         n_part = N_OUT * (2 if PAIR else 1)       # partial rows per split
         tl.store(part_ptr + pid_s * n_part + rows, y, mask=row_mask)
@@ -582,24 +615,25 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                 if PAIR:
                     up += tl.load(part_ptr + s * n_part + N_OUT + rows, mask=row_mask,
                                   other=0.0, cache_modifier=".cg")
-            _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr,
-                            conv_w_ptr, CONV_DIM, EPI, KW)
+            _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
+                            s2, s_nxt, EPI, KW)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
 
 
 @triton.jit
-def _fused_gemv_persistent_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
                                   conv_w_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
-                                  PRO: tl.constexpr, EPI: tl.constexpr, KW: tl.constexpr,
-                                  NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
+                                  KW: tl.constexpr, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
                                   PDL: tl.constexpr):
-    # Persistent direct form (no split-K, prologue none/rms): NPROG programs (a few per SM)
-    # stride over the row blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first
-    # tile is loaded before the PDL wait, the input vector (and its norm) once per program, and
-    # each iteration loads the next row block's tile before reducing the current one (one tile
-    # of look-ahead). Few, resident programs leave room on the SMs for the next kernel's
-    # programs, which start their own weight prefetch while this one streams.
+    # Persistent direct form (no split-K): NPROG programs (a few per SM) stride over the row
+    # blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first tile is loaded before
+    # the PDL wait, the input vector (and its norm) once per program, and each iteration loads the next row block's tile
+    # before reducing the current one (one tile of look-ahead). Few, resident programs leave
+    # room on the SMs for the next kernel's programs, which start their own weight prefetch
+    # while this one streams. PRO_GATED here: K = (K / DV) heads x DV, both powers of two (the
+    # whole gated input is one [heads, DV] tile, flattened).
     _pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
@@ -615,10 +649,24 @@ def _fused_gemv_persistent_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_s
         u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
                         k_ok, True, MASK_K)
     _pdl_wait(PDL)
-    inv_rms = 1.0
-    if PRO == 1:
-        inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_K)
-    x = _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
+    if PRO == 2:
+        NH: tl.constexpr = BLOCK_K // DV
+        dd = tl.arange(0, DV)
+        off2 = tl.arange(0, NH)[:, None] * DV + dd[None, :]
+        o2 = tl.load(x_ptr + off2, eviction_policy="evict_last")
+        act = o2.dtype
+        of = o2.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
+        n = (of * inv[:, None]).to(act).to(tl.float32)
+        zf = tl.load(z_ptr + off2, eviction_policy="evict_last").to(tl.float32)
+        nw = tl.load(nw_ptr + dd, eviction_policy="evict_last").to(tl.float32)
+        x = tl.reshape((nw[None, :] * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32),
+                       (BLOCK_K,))
+    else:
+        inv_rms = 1.0
+        if PRO == 1:
+            inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_K)
+        x = _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
     for rb in range(pid, n_blocks, NPROG):
         rows = rb * BLOCK_N + offs_n
         row_mask = rows < N_OUT
@@ -634,10 +682,18 @@ def _fused_gemv_persistent_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_s
         up = y
         if PAIR:
             up = tl.sum(u_cur.to(tl.float32) * x[None, :], axis=1)
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, res_ptr, conv_state_ptr, conv_w_ptr,
-                        CONV_DIM, EPI, KW)
+        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                    CONV_DIM, EPI, KW, BLOCK_N)
+        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+                        s_nxt, EPI, KW)
         w_cur = w_nxt
         u_cur = u_nxt
+
+
+def gated_persistent_ok(k: int, head_dim: int) -> bool:
+    """Whether the persistent form can take the gated prologue for K = heads x head_dim."""
+    return (head_dim >= 1 and k % head_dim == 0 and head_dim & (head_dim - 1) == 0
+            and (k // head_dim) & (k // head_dim - 1) == 0)
 
 
 def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
@@ -687,14 +743,19 @@ def sm_count(device) -> int:
     return _sm_count_cached(device.type, 0)
 
 
-def table_pdl_early() -> bool:
-    """The PDL trigger point the in-step tuner measured best (engine/tune_step.py), else False
-    (trigger after the wait: measured 2% faster in the step on the H200)."""
+def table_in_step(name: str, default):
+    """A setting the in-step tuner (engine/tune_step.py) measured and recorded, else `default`."""
     try:
         with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            return bool(json.load(f).get("in_step", {}).get("pdl_early", False))
+            return json.load(f).get("in_step", {}).get(name, default)
     except (OSError, ValueError, AttributeError, TypeError):
-        return False
+        return default
+
+
+def table_pdl_early() -> bool:
+    """The PDL trigger point the in-step tuner measured best, else False (trigger after the
+    wait: measured 2% faster in the step on the H200)."""
+    return bool(table_in_step("pdl_early", False))
 
 
 def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
@@ -716,7 +777,8 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
                 p = dict(split_k=1, block_n=int(e["direct_block_n"]), block_k=int(e["direct_block_k"]),
                          num_warps=int(e["direct_num_warps"]),
                          persistent=int(e.get("direct_persistent", 0)))
-            if prologue != "gated" or p["block_k"] <= next_pow2(head_dim):
+            if prologue != "gated" or p["block_k"] <= next_pow2(head_dim) or (
+                    p["persistent"] and gated_persistent_ok(k, head_dim)):
                 return p
         except (KeyError, TypeError, ValueError):
             pass
@@ -826,16 +888,19 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     res = residual if residual is not None else out
     cs = conv_state if conv_state is not None else out
     cw = conv_w if conv_state is not None else out
+    pdl = pdl_mode(dev)
     if persistent > 0:
-        _expect(pro != PRO_GATED, "gemv_fused: the persistent form takes no gated-norm prologue")
+        _expect(pro != PRO_GATED or gated_persistent_ok(K, dv),
+                "gemv_fused: the persistent form takes a gated-norm prologue only when the head "
+                "size and the head count are powers of two")
         _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
         bk = max(16, next_pow2(K))
         nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
         _fused_gemv_persistent_kernel[(nprog,)](
-            x, norm_w if norm_w is not None else x, W, out, res, cs, cw, n_out, K, W.stride(0),
-            float(eps), conv_dim, PRO=pro, EPI=epi, KW=kw, NPROG=nprog, BLOCK_N=block_n,
-            BLOCK_K=bk, MASK_K=K != bk, PDL=pdl_mode(dev), num_warps=num_warps,
-            **_launch_kw(dev))
+            x, gate if gate is not None else x, norm_w if norm_w is not None else x, W, out, res,
+            cs, cw, n_out, K, W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw,
+            NPROG=nprog, BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl,
+            num_warps=num_warps, **_launch_kw(dev))
         return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),
@@ -868,7 +933,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_X=block_x, MASK_N=n_out % block_n != 0, MASK_K=mask_k,
-        PDL=pdl_mode(dev), num_warps=num_warps, **_launch_kw(dev))
+        PDL=pdl, num_warps=num_warps, **_launch_kw(dev))
     return out
 
 

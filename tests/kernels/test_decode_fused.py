@@ -159,9 +159,33 @@ def test_gemv_fused_persistent_form_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="persistent"):
         gemv_fused(x, W, out, split_k=2, persistent=1,
                    partials=torch.zeros(64, device=DEVICE), counters=torch.zeros(16, device=DEVICE, dtype=torch.int32))
+    x3, W3 = _vec(96, g), _vec(16 * 96, g).view(16, 96)      # three heads: not a power of two
     with pytest.raises(ValueError, match="persistent"):
-        gemv_fused(x, W, out, norm_w=_vec(32, g), gate=_vec(64, g), head_dim=32, split_k=1,
+        gemv_fused(x3, W3, out, norm_w=_vec(32, g), gate=_vec(96, g), head_dim=32, split_k=1,
                    block_k=32, persistent=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dv,n_out,block_n", [
+    (4, 32, 37, 8),        # 5 row blocks over 4 programs, the last one partial
+    (1, 16, 8, 8),         # one head, one block
+    (2, 128, 64, 4),       # the 0.8B head size, 16 blocks
+])
+def test_gemv_gated_norm_residual_persistent_form(heads, dv, n_out, block_n, dtype):
+    """The persistent form with the gated-norm prologue (the whole [heads, dv] input one tile)
+    and the residual epilogue."""
+    g = torch.Generator().manual_seed(heads * dv + n_out)
+    K = heads * dv
+    o = _vec(K, g, 2.0, dtype)
+    z = _vec(K, g, 2.0, dtype)
+    norm_w = (1 + 0.1 * torch.randn(dv, generator=g)).to(DEVICE)
+    W = _vec(n_out * K, g, K ** -0.5, dtype).view(n_out, K)
+    res = _vec(n_out, g, 1.0, dtype)
+    h = res.clone()
+    gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h, split_k=1,
+               block_n=block_n, num_warps=4, persistent=1)
+    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
+    torch.testing.assert_close(h, want, **_tol(dtype))
 
 
 def test_gemv_fused_split_k_reproducible_and_replayable():
@@ -425,7 +449,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                      out_ptr="*bf16", res_ptr="*bf16", conv_state_ptr="*bf16",
                      conv_w_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", N_OUT="i32",
                      K="i32", stride_w="i32", eps="fp32", K_PER_SPLIT="i32", CONV_DIM="i32")
-    base = dict(DV=1, KW=4, BLOCK_X=1024, MASK_N=False, MASK_K=False, PDL=True)
+    base = dict(DV=1, KW=4, BLOCK_X=1024, MASK_N=False, MASK_K=False, PDL=1)
     for pro, epi, split, bn, bk in ((1, 3, 1, 8, 512), (1, 2, 1, 4, 512), (1, 0, 2, 8, 512),
                                     (0, 1, 4, 4, 512)):
         build(G._fused_gemv_kernel, gemv_args,
@@ -440,13 +464,16 @@ _COMPILE_SCRIPT = textwrap.dedent("""
               dict(DK=128, DV=128, GROUP=1, BLOCK_K=128, BLOCK_V=bv, L2_EPS=1e-6,
                    SP_THRESHOLD=20.0, PDL=True), 4)
     # the persistent direct form, with the trigger-at-start PDL mode (2)
-    pers_args = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
-                     res_ptr="*bf16", conv_state_ptr="*bf16", conv_w_ptr="*bf16", N_OUT="i32",
-                     K="i32", stride_w="i32", eps="fp32", CONV_DIM="i32")
-    for pro, epi, bn, bk, pdl in ((1, 3, 8, 1024, 2), (1, 2, 4, 1024, 1), (0, 1, 4, 4096, 1)):
-        build(G._fused_gemv_persistent_kernel, pers_args,
-              dict(PRO=pro, EPI=epi, KW=4, NPROG=132, BLOCK_N=bn, BLOCK_K=bk,
-                   MASK_K=bk == 4096, PDL=pdl), 8)
+    pers_args = dict(x_ptr="*bf16", z_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16",
+                     out_ptr="*bf16", res_ptr="*bf16", conv_state_ptr="*bf16",
+                     conv_w_ptr="*bf16", N_OUT="i32", K="i32", stride_w="i32", eps="fp32",
+                     CONV_DIM="i32")
+    for pro, epi, bn, bk, pdl in ((1, 3, 8, 1024, 2), (1, 2, 4, 1024, 1), (0, 1, 4, 4096, 1),
+                                  (2, 1, 8, 2048, 1)):
+        build(G._fused_gemv_persistent_kernel,
+              dict(pers_args, nw_ptr="*fp32") if pro == 2 else pers_args,
+              dict(PRO=pro, EPI=epi, DV=128 if pro == 2 else 1, KW=4, NPROG=132, BLOCK_N=bn,
+                   BLOCK_K=bk, MASK_K=bk == 4096, PDL=pdl), 8)
     # the step's last kernel: argmax of the keys + token count + position advance
     build(S._argmax_keys_kernel, dict(part_ptr="*i64", n="i32", token_ptr="*i64",
                                       counts_ptr="*i32", row_offset="i32", pos_ptr="*i32"),
@@ -676,8 +703,10 @@ def test_tune_decode_quick_grid_is_small_and_valid():
 
 def test_in_step_tuner_candidates_are_valid_plans():
     """engine/tune_step.py's candidates: the persistent form only where the kernel has it
-    (no gated prologue, direct form), tiles gemv_fused accepts, persistent ones first."""
+    (direct form; a gated prologue of power-of-two heads), tiles gemv_fused accepts,
+    persistent ones first."""
     from tritonchat.engine import tune_step as ts
+    from tritonchat.kernels import gemv as G
     from tritonchat.kernels import tune_decode as td
     for _key, n_out, k, pro, epi, _what in td.GEMVS:
         cands = list(ts._gemv_candidates(n_out, k, pro, td.DV if pro == "gated" else 0,
@@ -689,8 +718,9 @@ def test_in_step_tuner_candidates_are_valid_plans():
             assert c["block_n"] & (c["block_n"] - 1) == 0 and c["block_k"] >= 16
             assert c["block_k"] & (c["block_k"] - 1) == 0 and 1 <= c["split_k"] <= 8
             if c["persistent"]:
-                assert pro != "gated" and c["split_k"] == 1
-            if pro == "gated":
+                assert c["split_k"] == 1
+                assert pro != "gated" or G.gated_persistent_ok(k, td.DV)
+            if pro == "gated" and not c["persistent"]:
                 assert c["block_k"] <= td.DV
 
 
