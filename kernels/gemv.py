@@ -876,6 +876,10 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         # the plan's persistent form applies only when the caller keeps the plan's direct form
         persistent = p.get("persistent", 0) if split_k in (None, 1) and block_n is None else 0
     persistent = int(persistent)
+    if not persistent and p.get("persistent", 0):
+        # the plan is the persistent form but the caller asked for the grid form (a split
+        # count or tile of its own): the grid form's tiles, not the persistent ones
+        p = fused_heuristic_plan(n_out, K, pro_name, dv, bool(silu_mul))
     split_k = int(p["split_k"] if split_k is None else split_k)
     block_n = int(block_n or p["block_n"])
     block_k = int(block_k or p["block_k"])

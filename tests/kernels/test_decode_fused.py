@@ -672,6 +672,30 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
         gemv_mod.decode_table.cache_clear()
 
 
+def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(tmp_path, monkeypatch):
+    """The table's plan for a gated GEMV is the persistent form (whole K one tile); a caller
+    asking for split-K gets the grid form's head-sized tiles, not the persistent block_k."""
+    table = tmp_path / "decode_tuning.json"
+    table.write_text('{"entries": [{"key": "gemv:24x64:gated:residual", "split_k": 1,'
+                     ' "block_n": 8, "block_k": 64, "num_warps": 4, "persistent": 1}]}')
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    gemv_mod.decode_table.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(9)
+        o, z, W = _vec(64, g, 2.0), _vec(64, g, 2.0), _vec(24 * 64, g, 0.125).view(24, 64)
+        norm_w = (1 + 0.1 * torch.randn(16, generator=g)).to(DEVICE)
+        res = _vec(24, g)
+        want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=res)
+        for split_k in (None, 1, 2):
+            h = res.clone()
+            part, cnt = _scratch(24, 2, 8)
+            gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=h,
+                       split_k=split_k, partials=part, counters=cnt)
+            torch.testing.assert_close(h, want, **_tol(torch.float32))
+    finally:
+        gemv_mod.decode_table.cache_clear()
+
+
 @pytest.mark.parametrize("n_out,k,pro,epi", [(8224, 1024, "rms", "conv"),
                                              (3584, 1024, "rms", "silu_mul"),
                                              (1024, 2048, "gated", "residual"),
