@@ -509,9 +509,9 @@ def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r,
             acc += _col(s2, jj, j) * _col(w2, jj, j)
         conv = acc.to(act_dtype).to(tl.float32)
         silu = (conv * tl.sigmoid(conv)).to(act_dtype).to(tl.float32)
-        # the state shifted by one slot, the new value last; every replica of a row (after the
-        # K reduction a row's value sits in several threads) stores the same values, and the
-        # old state was read before (the reduction's barrier orders the reads first)
+        # the state shifted by one slot, the new value last: after the K reduction a row's
+        # value sits in several threads, each storing the same values; the barrier keeps every
+        # replica's reads of the old state (_epi_pre) before any of these stores
         new_s = tl.where(jj[None, :] == KW - 2, m_new.to(tl.float32)[:, None], s_nxt)
         tl.debug_barrier()
         tl.store(conv_state_ptr + c[:, None] * (KW - 1) + jj[None, :],
@@ -592,9 +592,9 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
 
     y = tl.sum(acc, axis=1)
     up = tl.sum(acc_u, axis=1)
-    r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr, CONV_DIM,
-                                EPI, KW, BLOCK_N)
     if SPLIT_K == 1:
+        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                    CONV_DIM, EPI, KW, BLOCK_N)
         _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
     else:
@@ -615,6 +615,8 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                 if PAIR:
                     up += tl.load(part_ptr + s * n_part + N_OUT + rows, mask=row_mask,
                                   other=0.0, cache_modifier=".cg")
+            r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                        CONV_DIM, EPI, KW, BLOCK_N)
             _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
                             s2, s_nxt, EPI, KW)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
@@ -629,11 +631,11 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
                                   PDL: tl.constexpr):
     # Persistent direct form (no split-K): NPROG programs (a few per SM) stride over the row
     # blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first tile is loaded before
-    # the PDL wait, the input vector (and its norm) once per program, and each iteration loads the next row block's tile
-    # before reducing the current one (one tile of look-ahead). Few, resident programs leave
-    # room on the SMs for the next kernel's programs, which start their own weight prefetch
-    # while this one streams. PRO_GATED here: K = (K / DV) heads x DV, both powers of two (the
-    # whole gated input is one [heads, DV] tile, flattened).
+    # the PDL wait, the input vector (and its norm) once per program, and each iteration loads
+    # the next row block's tile before reducing the current one (one tile of look-ahead). Few,
+    # resident programs leave room on the SMs for the next kernel's programs, which start their
+    # own weight prefetch while this one streams. PRO_GATED here: K = (K / DV) heads x DV, both
+    # powers of two (the whole gated input is one [heads, DV] tile, flattened).
     _pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
@@ -743,19 +745,14 @@ def sm_count(device) -> int:
     return _sm_count_cached(device.type, 0)
 
 
-def table_in_step(name: str, default):
-    """A setting the in-step tuner (engine/tune_step.py) measured and recorded, else `default`."""
+def table_pdl_early() -> bool:
+    """The PDL trigger point the in-step tuner measured best (engine/tune_step.py), else False
+    (trigger after the wait: measured 2% faster in the step on the H200)."""
     try:
         with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            return json.load(f).get("in_step", {}).get(name, default)
+            return bool(json.load(f).get("in_step", {}).get("pdl_early", False))
     except (OSError, ValueError, AttributeError, TypeError):
-        return default
-
-
-def table_pdl_early() -> bool:
-    """The PDL trigger point the in-step tuner measured best, else False (trigger after the
-    wait: measured 2% faster in the step on the H200)."""
-    return bool(table_in_step("pdl_early", False))
+        return False
 
 
 def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
