@@ -78,8 +78,8 @@ def summarize(events: list[tuple[str, float, float]], steps: int) -> dict:
 def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]:
     """The engine call site of each kernel of one step, in order: `sites` are the engine's
     launch names in call order, `kernels` the GPU kernels of one step in order. A site launches
-    one kernel, except attention (split + combine) and the LM head site, which also takes the
-    sampling kernels after it. None when the two sequences do not line up."""
+    one kernel, except the LM head site, which also takes the sampling kernels after it. None
+    when the two sequences do not line up."""
     out: list[str] = []
     i = 0
     for j, site in enumerate(sites):
@@ -88,11 +88,7 @@ def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]
         out.append(site)
         i += 1
         nxt = sites[j + 1] if j + 1 < len(sites) else None
-        if site.startswith("attention"):
-            while i < len(kernels) and kernels[i].startswith("_attn_decode") and "combine" in kernels[i]:
-                out.append(site)
-                i += 1
-        elif site.startswith("lm_head") and nxt is None:
+        if site.startswith("lm_head") and nxt is None:
             while i < len(kernels):
                 out.append(site)
                 i += 1
@@ -100,8 +96,11 @@ def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]
 
 
 def per_site(events: list[tuple[str, float, float]], sites: list[str], steps: int) -> Optional[list[dict]]:
-    """Mean duration of each call site's kernels per step (the engine's names: gemv_mlp_down,
-    gdn_decode_core, ...), from `steps` steps of kernel events. None if they do not line up."""
+    """Per call site (the engine's names: gemv_mlp_down, gdn_decode_core, ...), from `steps`
+    steps of kernel events: its kernels' summed durations per step (overlap under programmatic
+    dependent launch counted in each kernel) and its share of the critical path (each kernel's
+    end minus the later of its start and the previous kernel's end: these shares sum to the
+    step's span less its idle gaps). None if the events do not line up with the sites."""
     if not events or len(events) % steps:
         return None
     n = len(events) // steps
@@ -109,14 +108,22 @@ def per_site(events: list[tuple[str, float, float]], sites: list[str], steps: in
     owner = attribute_sites(sites, names)
     if owner is None:
         return None
-    tot: dict = defaultdict(lambda: [0, 0.0])
+    tot: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    prev_end = None
     for k, (_, s, e) in enumerate(events):
         site = owner[k % n]
         tot[site][0] += 1
         tot[site][1] += e - s
-    rows = [{"site": site, "kernels_per_step": c / steps, "us_per_step": t / steps}
-            for site, (c, t) in tot.items()]
-    return sorted(rows, key=lambda r: -r["us_per_step"])
+        # critical path: how much later the step ends because of this kernel (kernels of a step
+        # finish in launch order, each waiting for the one before); a step's first kernel counts
+        # from its own start, so the gap between graph replays is nobody's
+        start = s if k % n == 0 or prev_end is None else max(s, prev_end)
+        tot[site][2] += max(0.0, e - start)
+        prev_end = e if prev_end is None else max(prev_end, e)
+    rows = [{"site": site, "kernels_per_step": c / steps, "us_per_step": t / steps,
+             "critical_us_per_step": m / steps}
+            for site, (c, t, m) in tot.items()]
+    return sorted(rows, key=lambda r: -r["critical_us_per_step"])
 
 
 def main(argv=None) -> int:
@@ -189,9 +196,10 @@ def main(argv=None) -> int:
     for r in summary["kernels"]:
         print(f"{r['name'][:60]:60s} {r['per_step']:6.1f} {r['mean_us']:8.2f} {r['us_per_step']:8.1f}")
     if summary["sites"]:
-        print(f"{'engine call site':40s} {'kernels':>7s} {'us/step':>8s}")
+        print(f"{'engine call site':40s} {'kernels':>7s} {'us/step':>8s} {'critical':>8s}")
         for r in summary["sites"]:
-            print(f"{r['site'][:40]:40s} {r['kernels_per_step']:7.1f} {r['us_per_step']:8.1f}")
+            print(f"{r['site'][:40]:40s} {r['kernels_per_step']:7.1f} {r['us_per_step']:8.1f} "
+                  f"{r['critical_us_per_step']:8.1f}")
     else:
         print("(the engine's call sites did not line up with the recorded kernels)")
     if args.json:

@@ -187,6 +187,7 @@ class TritonBackend(Backend):
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms)
         self.attn_partials = z(ad.partials_numel(H, hd, self.attn_splits), dtype=torch.float32)
+        self.attn_counters = z(KV, dtype=torch.int32)       # zero; every launch leaves them zero
         from tritonchat.kernels import sampling as S
         self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
         self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)
@@ -262,7 +263,7 @@ class TritonBackend(Backend):
 
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
-        GDN layer: 3 launches + MLP 2; attention layer: 4 + MLP 2 (norms fused into GEMV prologues)."""
+        GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
         from tritonchat.kernels.attention_decode import attention_decode
         from tritonchat.kernels.gdn_decode import gdn_decode_core
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -292,6 +293,7 @@ class TritonBackend(Backend):
                 self._launch("attention_decode", kv_bytes, attention_decode,
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
+                             self.attn_counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
                              rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits)
                 self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",

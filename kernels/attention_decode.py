@@ -9,17 +9,19 @@ RoPE is rotate-half on the first rotary_dim dims, inv_freq[j] = theta^(-2j/rotar
 sin computed in fp32 and rounded to the activation dtype, and the products and the sum rounded
 as HF's bf16 ops round them; the QK norms round once (fp32 math, then the dtype).
 
-Kernel 1, grid (Hkv, num_splits): program (g, s) handles the H/Hkv query heads of KV head g at
-once (a [max(16, H/Hkv), hd] query tile: `tl.dot` reads each K/V tile once for the group) over its
-slice of positions: the slice length is ceil((p+1)/num_splits) rounded up to BLOCK_N and is
-computed on the device from `pos`, so one CUDA graph serves every position. Splits past the end
-store m = -inf, l = 0. The new token's K/V are used from registers and written to the cache by
-split 0; no program reads cache slot p during this launch, so the write cannot race a read.
-Softmax is online in fp32 (base 2); the probabilities are rounded to the cache dtype for the
-P V tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). The partials
-(acc, m, l) go to `partials`.
-
-Kernel 2, grid (H,): combine the splits with their max-rescaled weights, round, gate, store.
+One launch, grid (Hkv, num_splits): program (g, s) handles the H/Hkv query heads of KV head g
+at once (a [max(16, H/Hkv), hd] query tile: `tl.dot` reads each K/V tile once for the group) over
+its slice of positions: the slice length is ceil((p+1)/num_splits) rounded up to BLOCK_N and is
+computed on the device from `pos`, so one CUDA graph serves every position; splits past the end
+exit at once. The position, the first K/V tile, the RoPE table and the norm weights are read
+before the PDL wait (earlier steps wrote them). The new token's K/V are used from registers and written to the cache by split 0;
+no program reads cache slot p during this launch, so the write cannot race a read. Softmax is
+online in fp32 (base 2); the probabilities are rounded to the cache dtype for the P V
+tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). Each split stores
+its partials (acc, m, l) and takes a ticket from its KV head's counter; the split drawing the
+last ticket merges the group's partials in split order (max-rescaled, online over chunks of
+splits), rounds, gates and stores the heads' outputs, and resets the counter. (Until the
+ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
 """
 from __future__ import annotations
 
@@ -38,30 +40,47 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _norm_rope_tile(base, row_mask, w_ptr, offs_d, pos_f, eps, freq_log2_step,
-                    HD: tl.constexpr, ROT: tl.constexpr):
-    """Zero-centred RMSNorm of the head rows at `base` ([R, 1] pointers), then partial
-    rotate-half RoPE at position pos_f. Returns the [R, BLOCK_D] tile rounded to the dtype
-    (as fp32)."""
-    act = base.dtype.element_ty
-    HALF = ROT // 2
+def _rope_cos_sin(offs_d, pos_f, freq_log2_step, act: tl.constexpr, ROT: tl.constexpr):
+    """cos and sin of the rotate-half angles p * theta^(-2j/ROT) at every dim (fp32 math,
+    rounded to the activation dtype `act` as HF's tables are)."""
+    HALF: tl.constexpr = ROT // 2
+    j = tl.where(offs_d < HALF, offs_d, offs_d - HALF).to(tl.float32)
+    ang = pos_f * tl.exp2(j * freq_log2_step)
+    return tl.cos(ang).to(act).to(tl.float32), tl.sin(ang).to(act).to(tl.float32)
+
+
+@triton.jit
+def _rope_partner(offs_d, ROT: tl.constexpr):
+    # rotate-half pairs dim i with i + ROT/2 (the first half takes the partner negated)
+    HALF: tl.constexpr = ROT // 2
+    return tl.where(offs_d < HALF, offs_d + HALF, tl.where(offs_d < ROT, offs_d - HALF, offs_d))
+
+
+@triton.jit
+def _norm_weights(w_ptr, offs_d, HD: tl.constexpr, ROT: tl.constexpr):
+    """The zero-centred norm weight at each dim and at its rotate-half partner (fp32)."""
     d_mask = offs_d < HD
-    in_lo = offs_d < HALF
+    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + _rope_partner(offs_d, ROT), mask=d_mask, other=0.0).to(tl.float32)
+    return w, wp
+
+
+@triton.jit
+def _norm_rope_tile(base, row_mask, offs_d, w, wp, cos, sin, eps,
+                    HD: tl.constexpr, ROT: tl.constexpr):
+    """Zero-centred RMSNorm of the head rows at `base` ([R, 1] pointers) with the weights
+    (w, wp) of _norm_weights, then partial rotate-half RoPE with the (cos, sin) of
+    _rope_cos_sin. Returns the [R, BLOCK_D] tile rounded to the dtype (as fp32)."""
+    act = base.dtype.element_ty
+    d_mask = offs_d < HD
+    in_lo = offs_d < ROT // 2
     in_rot = offs_d < ROT
-    # rotate-half pairs dim i with i + ROT/2; the first half takes the partner negated
-    partner = tl.where(in_lo, offs_d + HALF, tl.where(in_rot, offs_d - HALF, offs_d))
     m = row_mask & d_mask[None, :]
     x = tl.load(base + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(base + _rope_partner(offs_d, ROT)[None, :], mask=m, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
-    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
     xn = (x * inv_rms[:, None] * (1.0 + w[None, :])).to(act).to(tl.float32)
     xpn = (xp * inv_rms[:, None] * (1.0 + wp[None, :])).to(act).to(tl.float32)
-    j = tl.where(in_lo, offs_d, offs_d - HALF).to(tl.float32)
-    ang = pos_f * tl.exp2(j * freq_log2_step)                 # p * theta^(-2j/ROT)
-    cos = tl.cos(ang).to(act).to(tl.float32)
-    sin = tl.sin(ang).to(act).to(tl.float32)
     rot_half = tl.where(in_lo, -xpn, xpn)
     xr = ((xn * cos[None, :]).to(act).to(tl.float32)
           + (rot_half * sin[None, :]).to(act).to(tl.float32)).to(act).to(tl.float32)
@@ -69,130 +88,158 @@ def _norm_rope_tile(base, row_mask, w_ptr, offs_d, pos_f, eps, freq_log2_step,
 
 
 @triton.jit
-def _attn_decode_split_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr,
-                              v_cache_ptr, pos_ptr, part_ptr, max_ctx, eps, qk_scale_log2,
-                              freq_log2_step,
-                              HD: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr,
-                              NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
-    kvh = tl.program_id(0)
-    split = tl.program_id(1)
-    cdt = k_cache_ptr.dtype.element_ty
-    p = tl.load(pos_ptr).to(tl.int32)
-    pos_f = p.to(tl.float32)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_H)
-    d_mask = offs_d < HD
-    h_mask = offs_h < GROUP
-    heads = kvh * GROUP + offs_h
-
-    # the group's queries [BLOCK_H, BLOCK_D] and this token's key (rows past GROUP are zeros)
-    q = _norm_rope_tile(qg_ptr + heads[:, None] * (2 * HD), h_mask[:, None], qn_w_ptr, offs_d,
-                        pos_f, eps, freq_log2_step, HD, ROT)
-    k_new = _norm_rope_tile(k_ptr + kvh * HD + tl.zeros((1, 1), dtype=tl.int32),
-                            tl.full((1, 1), 1, tl.int1), kn_w_ptr, offs_d, pos_f, eps,
-                            freq_log2_step, HD, ROT)
-    k_new = k_new.to(cdt).to(tl.float32)
-    v_new = tl.load(v_ptr + kvh * HD + offs_d, mask=d_mask, other=0.0).to(cdt)
-
-    kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
-    vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
-    if split == 0:
-        # (p broadcast to a vector: the interpreter rejects a scalar & vector store mask)
-        slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)
-        tl.store(kc + p.to(tl.int64) * HD + offs_d[None, :], k_new.to(cdt), mask=slot_ok[None, :])
-        tl.store(vc + p.to(tl.int64) * HD + offs_d, v_new, mask=slot_ok)
-
-    # this split's positions [start, end) of 0..p; the cache holds all but p itself
-    n_tok = p + 1
-    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, n_tok)
-    cache_end = tl.minimum(tl.minimum(end, p), max_ctx)
-
-    q_dot = q.to(cdt)
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for n0 in range(start, cache_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < cache_end
-        kv_off = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        kt = tl.load(kc + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q_dot, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))          # finite: the tile has a valid column
-        alpha = tl.exp2(m_i - m_new)
-        pexp = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        vt = tl.load(vc + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(pexp.to(cdt), vt, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # the new token (position p) belongs to the split whose range holds p
-    s_cur = tl.sum(q * k_new, axis=1) * qk_scale_log2
-    s_cur = tl.where((p >= start) & (p < end), s_cur, float("-inf"))
-    m_new = tl.maximum(m_i, s_cur)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # empty split: no -inf - -inf
+def _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
+                 DOT_PRECISION: tl.constexpr):
+    """One [BLOCK_N] tile of cached positions into the online softmax (m_i, l_i, acc). A tile
+    with no valid position (n_mask all false) leaves the state as it was."""
+    s = tl.dot(q_dot, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p_cur = tl.exp2(s_cur - m_safe)
-    l_i = l_i * alpha + p_cur
-    p_cur_r = p_cur.to(cdt).to(tl.float32)          # rounded like the P of the P V dot above
-    acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)[None, :]
-
-    rec = part_ptr + (heads.to(tl.int64) * NUM_SPLITS + split) * (HD + 2)
-    tl.store(rec[:, None] + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(rec + HD, m_new, mask=h_mask)
-    tl.store(rec + HD + 1, l_i, mask=h_mask)
+    pexp = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pexp, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pexp.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
-def _attn_decode_combine_kernel(part_ptr, qg_ptr, out_ptr, pos_ptr,
-                                HD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v_cache_ptr,
+                        pos_ptr, part_ptr, cnt_ptr, out_ptr, max_ctx, eps, qk_scale_log2,
+                        freq_log2_step,
+                        HD: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)
-    # grid (head, head_dim block): merge the (m, l, acc) partials of the splits that hold
-    # positions (the same split arithmetic as the split kernel; the others are empty), in
-    # split order, BLOCK_S at a time, so a short context reads few partials
-    h = tl.program_id(0)
-    d0 = tl.program_id(1) * BLOCK_D
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    cdt = k_cache_ptr.dtype.element_ty
     act = out_ptr.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HD
+    kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
+    vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
+
+    # The position and the cached K/V (slots < p) were written by earlier steps: with PDL mode 1
+    # (a kernel lets the next one launch only after its own wait) those launches are complete,
+    # so they are read before waiting for the q/k/v producer; mode 2 lets launches run further
+    # ahead, so there everything is read after the wait.
+    if PDL == 2:
+        _gemv._pdl_wait(PDL)
     p = tl.load(pos_ptr).to(tl.int32)
     n_tok = p + 1
     per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
     n_active = tl.minimum(tl.cdiv(n_tok, per_split), NUM_SPLITS)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HD
-    base = part_ptr + (h * NUM_SPLITS).to(tl.int64) * (HD + 2)
-    m_max = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        sm = (s0 + offs_s) < n_active
-        m = tl.load(base + (s0 + offs_s).to(tl.int64) * (HD + 2) + HD, mask=sm, other=float("-inf"))
-        m_max = tl.maximum(m_max, m)
-    mx = tl.max(m_max, axis=0)                   # split 0 always holds position 0: finite
-    num = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    den = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        sm = (s0 + offs_s) < n_active
-        rec = base + (s0 + offs_s).to(tl.int64) * (HD + 2)
-        m = tl.load(rec + HD, mask=sm, other=float("-inf"))
-        l = tl.load(rec + HD + 1, mask=sm, other=0.0)
-        w = tl.exp2(m - mx)
-        acc = tl.load(rec[:, None] + offs_d[None, :], mask=sm[:, None] & d_mask[None, :], other=0.0)
-        num += tl.sum(w[:, None] * acc, axis=0)
-        den += w * l
-    o = num / tl.sum(den, axis=0)
-    o = o.to(act).to(tl.float32)
-    gate = tl.load(qg_ptr + h * (2 * HD) + HD + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sg = tl.sigmoid(gate).to(act).to(tl.float32)
-    tl.store(out_ptr + h * HD + offs_d, (o * sg).to(act), mask=d_mask)
+    # splits past the end hold no position: they exit (and take no ticket)
+    if split < n_active:
+        start = split * per_split
+        end = tl.minimum(start + per_split, n_tok)
+        cache_end = tl.minimum(tl.minimum(end, p), max_ctx)     # the cache holds all but p
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask0 = offs_n < cache_end
+        kv_off0 = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
+        kv_mask0 = n_mask0[:, None] & d_mask[None, :]
+        kt0 = tl.load(kc + kv_off0, mask=kv_mask0, other=0.0)
+        vt0 = tl.load(vc + kv_off0, mask=kv_mask0, other=0.0)
+        # what depends only on p and the weights: the RoPE table and the norm weights
+        cos, sin = _rope_cos_sin(offs_d, p.to(tl.float32), freq_log2_step, act, ROT)
+        qw, qwp = _norm_weights(qn_w_ptr, offs_d, HD, ROT)
+        kw, kwp = _norm_weights(kn_w_ptr, offs_d, HD, ROT)
+        if PDL != 2:
+            _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
+
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_g = tl.arange(0, BLOCK_G)
+        g_mask = offs_g < GROUP
+        hrow = kvh * GROUP + offs_g
+        gd_mask = g_mask[:, None] & d_mask[None, :]
+        # the group's output gates, read with q/k/v (the merge below then waits on nothing)
+        gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :], mask=gd_mask,
+                       other=0.0).to(tl.float32)
+        # the group's queries [BLOCK_H, BLOCK_D] and this token's key (rows past GROUP are zeros)
+        q = _norm_rope_tile(qg_ptr + heads[:, None] * (2 * HD), h_mask[:, None], offs_d, qw, qwp,
+                            cos, sin, eps, HD, ROT)
+        k_new = _norm_rope_tile(k_ptr + kvh * HD + tl.zeros((1, 1), dtype=tl.int32),
+                                tl.full((1, 1), 1, tl.int1), offs_d, kw, kwp, cos, sin, eps,
+                                HD, ROT)
+        k_new = k_new.to(cdt).to(tl.float32)
+        v_new = tl.load(v_ptr + kvh * HD + offs_d, mask=d_mask, other=0.0).to(cdt)
+        if split == 0:
+            # (p broadcast to a vector: the interpreter rejects a scalar & vector store mask)
+            slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)
+            tl.store(kc + p.to(tl.int64) * HD + offs_d[None, :], k_new.to(cdt),
+                     mask=slot_ok[None, :])
+            tl.store(vc + p.to(tl.int64) * HD + offs_d, v_new, mask=slot_ok)
+
+        # online softmax in fp32 (base 2) over this split's cached positions: the tile loaded
+        # before the wait, then the rest
+        q_dot = q.to(cdt)
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        m_i, l_i, acc = _attend_tile(q_dot, kt0, vt0, n_mask0, m_i, l_i, acc, qk_scale_log2,
+                                     DOT_PRECISION)
+        for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < cache_end
+            kv_off = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            kt = tl.load(kc + kv_off, mask=kv_mask, other=0.0)
+            vt = tl.load(vc + kv_off, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
+                                         DOT_PRECISION)
+
+        # the new token (position p) belongs to the split whose range holds p
+        s_cur = tl.sum(q * k_new, axis=1) * qk_scale_log2
+        s_cur = tl.where((p >= start) & (p < end), s_cur, float("-inf"))
+        m_new = tl.maximum(m_i, s_cur)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_cur = tl.exp2(s_cur - m_safe)
+        l_i = l_i * alpha + p_cur
+        p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot above
+        acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)[None, :]
+
+        rec = part_ptr + (heads.to(tl.int64) * NUM_SPLITS + split) * (HD + 2)
+        tl.store(rec[:, None] + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(rec + HD, m_new, mask=h_mask)
+        tl.store(rec + HD + 1, l_i, mask=h_mask)
+
+        # the split that finishes last for this KV head merges the group's partials (no second
+        # launch): every partial store is issued before the ticket (release), the last ticket
+        # reads them all (acquire) in split order, then resets the counter for the next launch
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_active - 1:
+            offs_s = tl.arange(0, BLOCK_S)
+            run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+            num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+            den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+            for s0 in range(0, n_active, BLOCK_S):
+                ss = s0 + offs_s
+                sg_mask = (ss < n_active)[:, None] & g_mask[None, :]
+                recs = part_ptr + (hrow.to(tl.int64)[None, :] * NUM_SPLITS + ss[:, None]) * (HD + 2)
+                m = tl.load(recs + HD, mask=sg_mask, other=float("-inf"), cache_modifier=".cg")
+                l = tl.load(recs + HD + 1, mask=sg_mask, other=0.0, cache_modifier=".cg")
+                a = tl.load(recs[:, :, None] + offs_d[None, None, :],
+                            mask=sg_mask[:, :, None] & d_mask[None, None, :], other=0.0,
+                            cache_modifier=".cg")
+                c_max = tl.maximum(run_max, tl.max(m, axis=0))
+                c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)   # padded heads only
+                scale = tl.exp2(run_max - c_safe)
+                w = tl.exp2(m - c_safe[None, :])
+                num = num * scale[:, None] + tl.sum(w[:, :, None] * a, axis=0)
+                den = den * scale + tl.sum(w * l, axis=0)
+                run_max = c_max
+            o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+            o = o.to(act).to(tl.float32)
+            sg = tl.sigmoid(gate).to(act).to(tl.float32)
+            tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
+                     mask=gd_mask)
+            tl.atomic_xchg(cnt_ptr + kvh, 0, sem="relaxed", scope="gpu")   # ready to replay
 
 
 def partials_numel(num_heads: int, head_dim: int, num_splits: int) -> int:
@@ -217,16 +264,20 @@ def _expect(cond: bool, msg: str) -> None:
 def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-                     partials: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                     partials: torch.Tensor, counters: torch.Tensor, *, num_heads: int,
+                     num_kv_heads: int,
                      head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
-                     num_splits: int, block_n: int | None = None) -> torch.Tensor:
+                     num_splits: int, block_n: int | None = None,
+                     merge_splits: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
     k_cache, v_cache [Hkv, max_ctx, hd] contiguous (slot p is written), out [H*hd],
-    partials fp32 with >= partials_numel(H, hd, num_splits) elements. The caller guarantees
+    partials fp32 with >= partials_numel(H, hd, num_splits) elements, counters int32 with
+    >= Hkv elements, zeroed once when allocated (every launch leaves them zero). The caller guarantees
     p < max_ctx (the kernel masks the cache write and reads past it, but cannot report it).
-    Returns out."""
+    block_n (positions per K/V tile), merge_splits (splits the merge reads at a time, a power
+    of two) and num_warps default to sizes chosen here. Returns out."""
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -252,7 +303,9 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     (k_norm_w, "k_norm_w"), (k_cache, "k_cache"), (out, "out")):
         if t.dtype not in _DTYPES:
             raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {_DTYPES}")
-    for t in (k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, out, partials):
+    _expect(counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= Hkv,
+            f"counters must be a contiguous int32 tensor of >= {Hkv} zeroed elements")
+    for t in (k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, out, partials, counters):
         _expect(t.device == qg.device, "all tensors must be on one device")
     _expect(qg.dtype == k.dtype == out.dtype, "qg, k and out must share the activation dtype")
 
@@ -265,17 +318,18 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     freq_log2_step = -2.0 * math.log2(float(rope_theta)) / rot
     # fp32 caches get exact fp32 dots (tests); bf16/fp16 use the default tensor-core path
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else None
-    num_warps = 4 if block_d <= 128 else 8
-    _attn_decode_split_kernel[(Hkv, num_splits)](
-        qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, max_ctx, float(eps),
-        float(hd) ** -0.5 * LOG2E, freq_log2_step,
-        HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device),
-        num_warps=num_warps, **_gemv._launch_kw(qg.device))
-    block_s = min(16, next_pow2(num_splits))
-    block_dc = min(block_d, 64)
-    _attn_decode_combine_kernel[(H, cdiv(hd, block_dc))](
-        partials, qg, out, pos, HD=hd, NUM_SPLITS=num_splits,
-        BLOCK_S=block_s, BLOCK_D=block_dc, BLOCK_N=block_n, PDL=_gemv.pdl_mode(qg.device),
-        num_warps=2, **_gemv._launch_kw(qg.device))
+    num_warps = num_warps or (4 if block_d <= 128 else 8)
+    block_g = next_pow2(group)
+    # the merge reads [BLOCK_S splits, group, head_dim] partials at a time (~128 fp32 a
+    # thread: on the H200, 3 chunks of 32 splits at 32K context were 15 us/step faster than
+    # 5 chunks of 16)
+    block_s = merge_splits or max(1, min(next_pow2(num_splits),
+                                         (128 * 32 * num_warps) // (block_g * block_d)))
+    _expect(block_s >= 1 and block_s & (block_s - 1) == 0, "merge_splits must be a power of two")
+    _attn_decode_kernel[(Hkv, num_splits)](
+        qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
+        float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
+        HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_G=block_g,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, DOT_PRECISION=dot_precision,
+        PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps, **_gemv._launch_kw(qg.device))
     return out

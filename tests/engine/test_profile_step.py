@@ -27,12 +27,11 @@ def test_call_sites_take_their_kernels_in_order():
     from tritonchat.engine.profile_step import attribute_sites, per_site
     sites = ["embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "gemv_attn_o_proj",
              "lm_head_norm_argmax"]
-    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_attn_decode_split_kernel",
-               "_attn_decode_combine_kernel", "_fused_gemv_persistent_kernel", "_lm_head_kernel",
-               "_argmax_keys_kernel"]
+    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_attn_decode_kernel",
+               "_fused_gemv_persistent_kernel", "_lm_head_kernel", "_argmax_keys_kernel"]
     assert attribute_sites(sites, kernels) == [
-        "embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "attention_decode",
-        "gemv_attn_o_proj", "lm_head_norm_argmax", "lm_head_norm_argmax"]
+        "embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "gemv_attn_o_proj",
+        "lm_head_norm_argmax", "lm_head_norm_argmax"]
     assert attribute_sites(sites, kernels[:3]) is None            # too few kernels
     assert attribute_sites(sites[:3], kernels) is None             # kernels left over
     events = []
@@ -41,7 +40,27 @@ def test_call_sites_take_their_kernels_in_order():
         for k, name in enumerate(kernels):
             events.append((name, t + 10 * k, t + 10 * k + (k + 1)))
     rows = {r["site"]: r for r in per_site(events, sites, 2)}
-    assert rows["attention_decode"]["kernels_per_step"] == 2
-    assert rows["attention_decode"]["us_per_step"] == 3 + 4
-    assert rows["lm_head_norm_argmax"]["us_per_step"] == 6 + 7
+    assert rows["attention_decode"]["kernels_per_step"] == 1
+    assert rows["attention_decode"]["us_per_step"] == 3
+    assert rows["lm_head_norm_argmax"]["kernels_per_step"] == 2
+    assert rows["lm_head_norm_argmax"]["us_per_step"] == 5 + 6
     assert per_site(events[:-1], sites, 2) is None
+
+
+def test_critical_path_shares_sum_to_the_span_under_overlap():
+    from tritonchat.engine.profile_step import per_site
+    sites = ["embedding_gather", "gemv_attn_qkv_norm", "gemv_attn_o_proj"]
+    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_fused_gemv_persistent_kernel"]
+    events = []
+    for step in range(3):
+        t = step * 1000.0                 # a gap between replays: nobody's share
+        # the second kernel launches early (PDL) and ends 6 us after the first; the third
+        # starts after the second ended (a launch gap of 2 us, counted as its own)
+        events += [(kernels[0], t, t + 4.0), (kernels[1], t + 1.0, t + 10.0),
+                   (kernels[2], t + 12.0, t + 15.0)]
+    rows = {r["site"]: r for r in per_site(events, sites, 3)}
+    assert rows["embedding_gather"]["critical_us_per_step"] == 4.0
+    assert rows["gemv_attn_qkv_norm"]["critical_us_per_step"] == 6.0
+    assert rows["gemv_attn_qkv_norm"]["us_per_step"] == 9.0
+    assert rows["gemv_attn_o_proj"]["critical_us_per_step"] == 3.0
+    assert sum(r["critical_us_per_step"] for r in rows.values()) == 15.0 - 2.0

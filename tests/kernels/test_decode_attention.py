@@ -42,15 +42,18 @@ def _token(H, Hkv, hd, dtype, g):
 
 
 def _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits, dtype, block_n=BLOCK_N,
-          theta=THETA):
+          theta=THETA, merge_splits=None):
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=theta,
               eps=EPS)
     want, want_kc, want_vc = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
     out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
     partials = torch.full((partials_numel(H, hd, splits),), float("nan"), device=DEVICE)
+    counters = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
     attention_decode(qg, k, v, qn, kn, kc, vc, torch.tensor([pos], device=DEVICE,
                                                             dtype=torch.int32),
-                     out, partials, num_splits=splits, block_n=block_n, **kw)
+                     out, partials, counters, num_splits=splits, block_n=block_n,
+                     merge_splits=merge_splits, **kw)
+    assert not counters.any()                  # left at zero for the next launch
     return out, want, want_kc, want_vc
 
 
@@ -89,6 +92,19 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
     qg, k, v = _token(H, Hkv, hd, dtype, g)
     out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits,
                                         dtype)
+    _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+
+
+@pytest.mark.parametrize("merge_splits", [1, 2, 4])
+@pytest.mark.parametrize("pos", [16 * 7 - 1, 16 * 7, 16 * 7 + 1])
+def test_attention_merge_over_chunks_of_splits(pos, merge_splits):
+    # 8 splits of 16 positions: 7 or 8 of them hold positions, merged 1, 2 or 4 at a time (the
+    # online rescaling across chunks, and a last chunk only partly active)
+    H, Hkv, hd, rot, dtype = 6, 2, 40, 24, torch.float32
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 136, pos, dtype, seed=pos + merge_splits)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 8, dtype,
+                                        merge_splits=merge_splits)
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
@@ -142,13 +158,19 @@ def test_attention_validates():
     out = torch.empty(H * hd, device=DEVICE)
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=8, rope_theta=THETA,
               eps=EPS, num_splits=2)
+    cnt = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
     with pytest.raises(ValueError):       # partials too small
-        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, torch.empty(10, device=DEVICE), **kw)
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, torch.empty(10, device=DEVICE), cnt,
+                         **kw)
     part = torch.empty(partials_numel(H, hd, 2), device=DEVICE)
     with pytest.raises(ValueError):       # odd rotary dim
-        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, **{**kw, "rotary_dim": 7})
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, **{**kw, "rotary_dim": 7})
     with pytest.raises(ValueError):       # cache of the wrong head count
-        attention_decode(qg, k, v, qn, kn, kc[:1], vc[:1], pos, out, part, **kw)
+        attention_decode(qg, k, v, qn, kn, kc[:1], vc[:1], pos, out, part, cnt, **kw)
+    with pytest.raises(ValueError):       # counters of the wrong dtype / too few
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt.float(), **kw)
+    with pytest.raises(ValueError):
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt[:1], **kw)
     assert plan_num_splits(32768, 2) == 66 and plan_num_splits(40, 2) == 2
 
 
@@ -181,12 +203,13 @@ def test_gpu_attention_cuda_graph_replay():
     pos = torch.tensor([5], device=DEVICE, dtype=torch.int32)
     out = torch.empty(H * hd, device=DEVICE, dtype=dtype)
     part = torch.empty(partials_numel(H, hd, splits), device=DEVICE)
+    cnt = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=1e7,
               eps=EPS, num_splits=splits)
-    attention_decode(qg, k, v, qn, kn, kc.clone(), vc.clone(), pos, out, part, **kw)  # warm-up
+    attention_decode(qg, k, v, qn, kn, kc.clone(), vc.clone(), pos, out, part, cnt, **kw)  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, **kw)
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, **kw)
     for p in (300, 150, 7):             # descending: the NaN fill keeps 0..p-1 intact
         kc[:, p:] = float("nan")
         vc[:, p:] = float("nan")
