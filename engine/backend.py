@@ -71,7 +71,15 @@ class Backend(ABC):
         self._launched = self.step(token_id)
 
     def finish_step(self) -> int:
+        """The token of the oldest step started by launch_step / launch_next."""
         return self._launched
+
+    def launch_next(self) -> bool:
+        """Queue the decode step after the one in flight, on the token that step produces
+        (it never leaves the device), so the device never waits for the host between steps;
+        finish_step() then returns the tokens in order. False (nothing queued) when the
+        backend cannot: the default."""
+        return False
 
     # --- multi-turn snapshots (GDN states cannot rewind, so they are copied) ---
     def snapshot(self):

@@ -112,6 +112,7 @@ class Generator:
         stats.prefill_tok_s = new_prefilled / max(t_first - t0, 1e-9)
         stop_reason = "max_tokens"
         steps = 0                                  # decode steps after the first token
+        ahead = False                              # the step that consumes tok is already queued
         while True:
             if tok in self.stop_ids and not ignore_eos:
                 stop_reason = "eos"
@@ -121,11 +122,17 @@ class Generator:
                 stop_reason = "max_tokens"
             elif stop_event is not None and stop_event.is_set():
                 stop_reason = "stopped"
-            elif be.length >= be.max_context:
+            elif not ahead and be.length >= be.max_context:
                 stop_reason = "context_full"
             else:
                 stop_reason = ""
-                be.launch_step(tok)           # the GPU decodes tok while the host streams it
+                if not ahead:
+                    be.launch_step(tok)       # the GPU decodes tok while the host streams it
+                # and the step after it is queued at once, on the token the GPU is computing
+                # (it stays on the device), so the GPU never waits for this loop: not for the
+                # last token of the budget, nor past the context
+                ahead = (len(out) + 1 < max_new_tokens and be.length < be.max_context
+                         and be.launch_next())
             if on_token is not None:
                 on_token(tok)
             if stop_reason:
@@ -133,11 +140,16 @@ class Generator:
             nxt = be.finish_step()
             steps += 1
             self.cached_ids.append(out[-1])
+            tok = nxt
             if stop_event is not None and stop_event.is_set():   # set while tok was streamed
                 stop_reason = "stopped"
                 break
-            tok = nxt
         t_end = time.perf_counter()
+        if ahead:
+            # a step queued ahead consumed tok (an end-of-turn id, or the token after a stop
+            # request), which is not shown: its own token is dropped, the state holds tok
+            be.finish_step()
+            self.cached_ids.append(tok)
         stats.new_tokens = len(out)
         stats.total_ms = (t_end - t0) * 1e3
         if steps > 0 and t_end > t_first:

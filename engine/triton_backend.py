@@ -13,6 +13,7 @@ Triton prefill kernels take over, and as a cross-check).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -29,6 +30,7 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
 TOP_K_MAX = 256
+TOKEN_RING = 4               # decode steps whose tokens the host can have outstanding (ring slots)
 TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 
 
@@ -111,7 +113,14 @@ class TritonBackend(Backend):
         self._sampling_key = None
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
-        self._last_token: Optional[int] = None
+        self._last_token: Optional[int] = None   # the token in tok_buf, when the host knows it
+        # positions of the decode steps launched and not yet finished (finish_step pops them)
+        self._inflight: deque[int] = deque()
+        if self.device.type == "cuda":
+            self._ring_host = torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True)
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._step_done = [torch.cuda.Event() for _ in range(TOKEN_RING)]
+            self._token_copied = [torch.cuda.Event() for _ in range(TOKEN_RING)]
         if options.timing:
             self.configure(timing=True)
 
@@ -176,6 +185,9 @@ class TritonBackend(Backend):
         z = lambda *s, dtype=dt: torch.zeros(*s, device=dev, dtype=dtype)  # noqa: E731
         self.tok_buf = torch.zeros(1, device=dev, dtype=torch.int64)
         self.pos_buf = torch.zeros(1, device=dev, dtype=torch.int32)
+        # each decode step also writes its token to tok_ring[position % TOKEN_RING]: the host
+        # reads it there (copied on a side stream) while the next step is already running
+        self.tok_ring = torch.full((TOKEN_RING,), -1, device=dev, dtype=torch.int64)
         self.h = z(D)                                          # residual stream
         self.gdn_proj = z(cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads)
         self.gdn_out = z(cfg.linear_value_dim)
@@ -316,14 +328,15 @@ class TritonBackend(Backend):
             self._launch("lm_head_norm_argmax", nbytes, S.lm_head_argmax, self.h, E, self.valid_vocab,
                          self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
                          block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
-                         counts=self.counts, pos=pos)
+                         counts=self.counts, pos=pos, ring=self.tok_ring if advance else None)
         else:
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
                        eps=eps)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
                          valid_vocab=self.valid_vocab, top_k_max=self.top_k_max)
-            self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf, pos)
+            self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf, pos,
+                         self.tok_ring if advance else None)
 
     def _decode_step(self) -> None:
         """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
@@ -339,12 +352,14 @@ class TritonBackend(Backend):
         return self.state.length
 
     def reset(self) -> None:
+        self._drain()
         self.state.zero_()
         self.pos_buf.zero_()
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:
         ids = list(ids)
+        self._drain()
         if self.state.length + len(ids) > self.options.max_context:
             raise ContextFullError(
                 f"The conversation needs {self.state.length + len(ids)} tokens but the context holds "
@@ -412,10 +427,54 @@ class TritonBackend(Backend):
         self._ensure_sampler_mode()
         if token_id != self._last_token:
             self.tok_buf.fill_(int(token_id))
+        self._launch_decode()
+
+    def launch_next(self) -> bool:
+        """Queue the step after the newest one in flight: it reads the token that step leaves
+        in tok_buf, on the device, in stream order."""
+        if not self._inflight or len(self._inflight) >= TOKEN_RING - 1:
+            return False
+        self._ensure_sampler_mode()
+        self._last_token = None                 # tok_buf will hold a token the host has not seen
+        self._launch_decode()
+        return True
+
+    def _launch_decode(self) -> None:
+        pos = self.state.length
         self._run_decode()
+        self._inflight.append(pos)
+        if self.device.type == "cuda":
+            # after the step: copy its ring slot to pinned host memory on the side stream (the
+            # next step's writes go to other slots), so finish_step waits for this step only
+            slot = pos % TOKEN_RING
+            self._step_done[slot].record(torch.cuda.current_stream(self.device))
+            self._copy_stream.wait_event(self._step_done[slot])
+            with torch.cuda.stream(self._copy_stream):
+                self._ring_host[slot:slot + 1].copy_(self.tok_ring[slot:slot + 1], non_blocking=True)
+                self._token_copied[slot].record(self._copy_stream)
 
     def finish_step(self) -> int:
-        return self.sample()
+        """The token of the oldest decode step in flight (waits for that step only)."""
+        if not self._inflight:
+            return self.sample()
+        slot = self._inflight.popleft() % TOKEN_RING
+        if self.device.type == "cuda":
+            self._token_copied[slot].synchronize()
+            tok = int(self._ring_host[slot])
+        else:
+            tok = int(self.tok_ring[slot])
+        if not self._inflight:
+            self._last_token = tok              # the newest step's token: what tok_buf holds
+        return tok
+
+    def _drain(self) -> None:
+        """Forget the steps in flight (their tokens unread) once they are done; tok_buf then
+        holds a token the host does not know."""
+        if self._inflight:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._inflight.clear()
+            self._last_token = None
 
     def _run_decode(self) -> None:
         if self.state.length >= self.options.max_context:
@@ -544,9 +603,11 @@ class TritonBackend(Backend):
 
     # ---------------------------------------------------------------------- snapshots ----
     def snapshot(self):
+        self._drain()
         return self.state.snapshot()
 
     def restore(self, snap) -> None:
+        self._drain()
         self.state.restore(snap)
         self.pos_buf.fill_(self.state.length)
         self._pending_head = False
@@ -577,6 +638,7 @@ class TritonBackend(Backend):
                     self._capture_timed_graph()
 
     def set_max_context(self, n: int) -> None:
+        self._drain()
         self._graph = None
         del self.state
         torch.cuda.empty_cache() if self.device.type == "cuda" else None

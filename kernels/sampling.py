@@ -141,11 +141,12 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
 
 
 @triton.jit
-def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
+def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr, ring_ptr,
                         BLOCK: tl.constexpr, COUNT: tl.constexpr, ADVANCE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        RING: tl.constexpr, PDL: tl.constexpr):
     # the per-block keys -> token; COUNT: counts[row_offset + token] += 1 (the generated-token
-    # row the penalties read); ADVANCE: pos += 1 (the step's last write)
+    # row the penalties read); ADVANCE: pos += 1 (the step's last write), and with RING > 0
+    # the token also goes to ring[pos % RING] (the host reads it there while later steps run)
     _gemv._pdl_start(PDL)
     _gemv._pdl_wait(PDL)
     best = tl.full((BLOCK,), _KEY_EMPTY, dtype=tl.int64)
@@ -159,7 +160,16 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
         c = tl.load(counts_ptr + row_offset + tok.to(tl.int64))
         tl.store(counts_ptr + row_offset + tok.to(tl.int64), c + 1)
     if ADVANCE:
-        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+        _advance(pos_ptr, ring_ptr, tok, RING)
+
+
+@triton.jit
+def _advance(pos_ptr, ring_ptr, tok, RING: tl.constexpr):
+    """pos += 1; with RING > 0 first ring[pos % RING] = tok (the step's token by position)."""
+    p = tl.load(pos_ptr)
+    if RING > 0:
+        tl.store(ring_ptr + p % RING, tok.to(ring_ptr.dtype.element_ty))
+    tl.store(pos_ptr, p + 1)
 
 
 def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
@@ -186,13 +196,15 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    *, norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
                    block_n: Optional[int] = None, block_k: Optional[int] = None,
                    num_warps: Optional[int] = None, counts: Optional[torch.Tensor] = None,
-                   pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   pos: Optional[torch.Tensor] = None,
+                   ring: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
     zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
     raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted as update_counts
-    does; `pos` (one int on the device): pos += 1 after the token is chosen. Returns token_out."""
+    does; `pos` (one int on the device): pos += 1 after the token is chosen; `ring` (int64
+    [R], with pos): ring[pos % R] = token before the advance. Returns token_out."""
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
@@ -228,8 +240,9 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                            **_gemv._launch_kw(h.device))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
     block = min(ARGMAX_BLOCK_MAX, next_pow2(nb))
-    _argmax_keys_kernel[(1,)](partials, nb, token_out, *_count_args(counts, token_out, pos),
+    _argmax_keys_kernel[(1,)](partials, nb, token_out, *_count_args(counts, token_out, pos, ring),
                               BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
+                              RING=ring.numel() if ring is not None else 0,
                               PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
                               **_gemv._launch_kw(h.device))
     return token_out
@@ -239,9 +252,9 @@ ARGMAX_BLOCK_MAX = 16384      # keys the final argmax reduces per pass (loops pa
 
 
 def _count_args(counts: Optional[torch.Tensor], token: torch.Tensor,
-                pos: Optional[torch.Tensor]) -> tuple:
-    """(counts, row_offset, pos) kernel arguments of the fused count / position update, with
-    the token buffer as a never-touched dummy for what is absent."""
+                pos: Optional[torch.Tensor], ring: Optional[torch.Tensor] = None) -> tuple:
+    """(counts, row_offset, pos, ring) kernel arguments of the fused count / position update,
+    with the token buffer as a never-touched dummy for what is absent."""
     if counts is not None:
         if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
             raise ValueError("counts must be contiguous int32 [V] or [2, V]")
@@ -250,9 +263,15 @@ def _count_args(counts: Optional[torch.Tensor], token: torch.Tensor,
     if pos is not None:
         if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != token.device:
             raise ValueError("pos must be a one-element int32/int64 tensor on the token's device")
+    if ring is not None:
+        if pos is None:
+            raise ValueError("the token ring is written with the position advance: pass pos")
+        if ring.dtype != torch.int64 or not ring.is_contiguous() or ring.numel() < 1 \
+                or ring.device != token.device:
+            raise ValueError("ring must be a contiguous int64 tensor on the token's device")
     row_offset = counts.shape[-1] if counts is not None and counts.dim() == 2 else 0
     return (counts if counts is not None else token, row_offset,
-            pos if pos is not None else token)
+            pos if pos is not None else token, ring if ring is not None else token)
 
 
 # ------------------------------------------------------------------------------------------
@@ -382,15 +401,15 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
 
 
 @triton.jit
-def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ADVANCE: tl.constexpr,
-                          PDL: tl.constexpr):
+def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ring_ptr,
+                          ADVANCE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     _gemv._pdl_wait(PDL)
     tok = tl.load(token_ptr).to(tl.int64)
     c = tl.load(counts_ptr + row_offset + tok)
     tl.store(counts_ptr + row_offset + tok, c + 1)
     if ADVANCE:
-        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+        _advance(pos_ptr, ring_ptr, tok, RING)
 
 
 def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
@@ -484,18 +503,21 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
 
 
 def update_counts(counts: torch.Tensor, token: torch.Tensor,
-                  pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  pos: Optional[torch.Tensor] = None,
+                  ring: Optional[torch.Tensor] = None) -> torch.Tensor:
     """counts[last row][token[0]] += 1 on the device (the generated-token row of a [2, V]
     counts tensor, or the only row of a [V] one); with `pos` (one int on the device) also
-    pos += 1. Returns counts."""
+    pos += 1, and with `ring` (int64 [R], needs pos) ring[pos % R] = token before that.
+    Returns counts."""
     if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
         raise ValueError("update_counts: counts must be contiguous int32 [V] or [2, V]")
     if token.dtype not in (torch.int32, torch.int64) or token.numel() < 1:
         raise ValueError("update_counts: token must be an int32/int64 device tensor")
     if token.device != counts.device:
         raise ValueError("update_counts: counts and token must be on one device")
-    c, row_offset, p = _count_args(counts, token, pos)
-    _update_counts_kernel[(1,)](c, token, row_offset, p, ADVANCE=pos is not None,
+    c, row_offset, p, r = _count_args(counts, token, pos, ring)
+    _update_counts_kernel[(1,)](c, token, row_offset, p, r, ADVANCE=pos is not None,
+                                RING=ring.numel() if ring is not None else 0,
                                 PDL=_gemv.pdl_mode(token.device), num_warps=1,
                                 **_gemv._launch_kw(token.device))
     return counts

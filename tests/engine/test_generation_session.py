@@ -123,3 +123,85 @@ def test_set_max_context_reference(model_dir):
     assert s.backend.max_context == 128 and s.backend.state.kv[3][0].shape[1] == 128
     r = s.generate([{"role": "user", "content": "hi"}], GREEDY, max_new_tokens=3, enable_thinking=False)
     assert r.result.stats.prompt_tokens > 0
+
+
+class _LookaheadBackend:
+    """The reference backend behind the launch_next protocol, as a GPU backend runs it: every
+    launched step advances the state at once (in stream order) and its token is queued."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._queue = []
+        self.launched_ahead = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def length(self):
+        return self._inner.length
+
+    @property
+    def max_context(self):
+        return self._inner.max_context
+
+    def launch_step(self, tok):
+        assert not self._queue, "launch_step while a step is queued: the token was already consumed"
+        self._queue.append(self._inner.step(tok))
+
+    def launch_next(self):
+        if not self._queue or self._inner.length >= self._inner.max_context:
+            return False
+        self._queue.append(self._inner.step(self._queue[-1]))
+        self.launched_ahead += 1
+        return True
+
+    def finish_step(self):
+        return self._queue.pop(0)
+
+
+@pytest.mark.parametrize("case", ["budget", "eos", "stop", "context"])
+def test_launch_ahead_loop_matches_the_plain_loop(model_dir, case):
+    """Queuing the next step before the host reads the token changes nothing the user sees,
+    and the generator still knows exactly which tokens the state holds (cached_ids), so the
+    next turn reuses the cache as before."""
+    prompt = [5, 6, 7, 8]
+    base = Generator(ChatSession.load(model_dir, EngineOptions(max_context=512)).backend,
+                     stop_ids=[]).generate(prompt, GREEDY, max_new_tokens=12).token_ids
+    results = []
+    for wrap in (False, True):
+        ctx = 12 if case == "context" else 512
+        s = ChatSession.load(model_dir, EngineOptions(max_context=ctx))
+        be = _LookaheadBackend(s.backend) if wrap else s.backend
+        gen = Generator(be, stop_ids=[base[5]] if case == "eos" else [])
+        ev, seen = threading.Event(), []
+
+        def on_token(t, ev=ev, seen=seen):
+            seen.append(t)
+            if case == "stop" and len(seen) == 4:
+                ev.set()
+
+        res = gen.generate(prompt, GREEDY, max_new_tokens=10, stop_event=ev, on_token=on_token)
+        assert seen == res.token_ids
+        # the state holds exactly cached_ids: the prompt, the shown tokens it consumed, and
+        # (launch-ahead only) the end-of-turn id or the token after a stop request
+        held = list(gen.cached_ids)
+        assert len(held) == s.backend.length and held[:len(prompt)] == prompt
+        if case == "context":
+            s.backend.set_max_context(512)   # room for the next turn (keeps no state)
+            gen.forget()
+        nxt = gen.generate(held + [9, 10], GREEDY, max_new_tokens=3)
+        assert nxt.stats.cached_tokens == (0 if case == "context" else len(held))
+        # and the reused state is the one a fresh prefill of those tokens builds
+        fresh = Generator(ChatSession.load(model_dir, EngineOptions(max_context=512)).backend,
+                          stop_ids=[]).generate(held + [9, 10], GREEDY, max_new_tokens=3)
+        assert nxt.token_ids == fresh.token_ids
+        results.append((res.token_ids, res.stats.stop_reason, nxt.token_ids,
+                        be.launched_ahead if wrap else None))
+    (plain_ids, plain_reason, plain_next, _), (ids, reason, nxt_ids, ahead) = results
+    assert ids == plain_ids and reason == plain_reason
+    assert reason == {"budget": "max_tokens", "eos": "eos", "stop": "stopped",
+                      "context": "context_full"}[case]
+    assert ahead > 0                       # the launch-ahead path was taken
+    if case in ("budget", "context"):
+        assert nxt_ids == plain_next       # the same state: the same continuation

@@ -124,6 +124,25 @@ def test_gpu_graph_equals_eager_and_no_recapture(ckpt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [True, False])
+def test_gpu_launch_ahead_equals_step_by_step(ckpt, graph):
+    """The generation loop queues each step before the host has read the previous token (the
+    token ring): greedy and seeded sampling give the tokens of one-step-at-a-time decoding."""
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    for params in (GREEDY, sampled):
+        cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=graph, max_context=256)
+        prompt = list(range(5, 30))
+        res = Generator(tri, []).generate(prompt, params, max_new_tokens=30)
+        tri.reset()
+        tri.prefill(prompt)
+        tri.begin_sampling(params, prompt)
+        toks = [tri.sample()]
+        while len(toks) < 30:
+            toks.append(tri.step(toks[-1]))               # one step in flight at a time
+        assert toks == res.token_ids
+
+
+@pytest.mark.gpu
 def test_gpu_graph_capture_failure_falls_back(ckpt, monkeypatch, capsys):
     from tritonchat.engine import graph as graph_mod
     cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True)

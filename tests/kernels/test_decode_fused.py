@@ -476,8 +476,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                    BLOCK_K=bk, MASK_K=bk == 4096, PDL=pdl), 8)
     # the step's last kernel: argmax of the keys + token count + position advance
     build(S._argmax_keys_kernel, dict(part_ptr="*i64", n="i32", token_ptr="*i64",
-                                      counts_ptr="*i32", row_offset="i32", pos_ptr="*i32"),
-          dict(BLOCK=16384, COUNT=True, ADVANCE=True, PDL=2), 16)
+                                      counts_ptr="*i32", row_offset="i32", pos_ptr="*i32",
+                                      ring_ptr="*i64"),
+          dict(BLOCK=16384, COUNT=True, ADVANCE=True, RING=4, PDL=2), 16)
     lm_args = dict(h_ptr="*bf16", nw_ptr="*bf16", e_ptr="*bf16", logits_ptr="*fp32",
                    part_ptr="*i64", V="i32", VALID="i32", K="i32", stride_e="i32", eps="fp32")
     build(S._lm_head_kernel, lm_args,

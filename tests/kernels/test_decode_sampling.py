@@ -84,13 +84,18 @@ def test_lm_head_argmax_counts_token_and_advances_position(pos_dtype):
     logits = torch.empty(V, device=DEVICE)
     tok = torch.empty(1, device=DEVICE, dtype=torch.int64)
     part = torch.empty(lm_head_partials_numel(V, 4), device=DEVICE, dtype=torch.int64)
+    ring = torch.full((4,), -1, device=DEVICE, dtype=torch.int64)
     for step in range(2):
         lm_head_argmax(h, E, VALID, logits, tok, part, block_n=4, block_k=16, counts=counts,
-                       pos=pos)
+                       pos=pos, ring=ring)
         assert int(tok[0]) == want
         assert int(counts[1, want]) == 2 + step and int(counts[0, want]) == 1
         assert int(pos[0]) == 42 + step
     assert int(counts.sum()) == 5
+    # the token of the step at position p sits in ring[p % 4]: positions 41 and 42
+    assert ring.tolist() == [-1, want, want, -1]
+    with pytest.raises(ValueError, match="pos"):          # the ring goes with the advance
+        lm_head_argmax(h, E, VALID, logits, tok, part, block_n=4, block_k=16, ring=ring)
     # without pos the position is left alone; without counts nothing is counted
     lm_head_argmax(h, E, VALID, logits, tok, part, block_n=4, block_k=16)
     assert int(pos[0]) == 43 and int(counts.sum()) == 5
@@ -100,9 +105,13 @@ def test_update_counts_advances_position_when_given():
     counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
     pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
     tok = torch.tensor([9], device=DEVICE, dtype=torch.int64)
-    update_counts(counts, tok, pos)
+    ring = torch.zeros(3, device=DEVICE, dtype=torch.int64)
+    update_counts(counts, tok, pos, ring)
     update_counts(counts, tok)
     assert int(counts[1, 9]) == 2 and int(counts.sum()) == 2 and int(pos[0]) == 8
+    assert ring.tolist() == [0, 9, 0]                     # position 7 -> slot 7 % 3
+    with pytest.raises(ValueError, match="int64"):
+        update_counts(counts, tok, pos, ring.to(torch.int32))
 
 
 # ------------------------------------------------------------------------------------------
