@@ -31,6 +31,32 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
 TOP_K_MAX = 256
 TOKEN_RING = 4               # decode steps whose tokens the host can have outstanding (ring slots)
+
+
+@dataclass
+class _Readback:
+    stream: "torch.cuda.Stream"
+    host: torch.Tensor                       # pinned int64 [TOKEN_RING]
+    step_done: list
+    copied: list
+
+
+_READBACK: dict = {}
+
+
+def _token_readback(device: torch.device) -> _Readback:
+    """The side stream, pinned buffer and events that bring decode tokens to the host, one set
+    per device for the whole process (one engine thread decodes at a time): never freed, so a
+    backend being garbage-collected makes no CUDA call (that could land inside another
+    backend's graph capture)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    rb = _READBACK.get(key)
+    if rb is None:
+        rb = _Readback(torch.cuda.Stream(device), torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True),
+                       [torch.cuda.Event() for _ in range(TOKEN_RING)],
+                       [torch.cuda.Event() for _ in range(TOKEN_RING)])
+        _READBACK[key] = rb
+    return rb
 TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 
 
@@ -117,10 +143,7 @@ class TritonBackend(Backend):
         # positions of the decode steps launched and not yet finished (finish_step pops them)
         self._inflight: deque[int] = deque()
         if self.device.type == "cuda":
-            self._ring_host = torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True)
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._step_done = [torch.cuda.Event() for _ in range(TOKEN_RING)]
-            self._token_copied = [torch.cuda.Event() for _ in range(TOKEN_RING)]
+            self._readback = _token_readback(self.device)
         if options.timing:
             self.configure(timing=True)
 
@@ -446,12 +469,12 @@ class TritonBackend(Backend):
         if self.device.type == "cuda":
             # after the step: copy its ring slot to pinned host memory on the side stream (the
             # next step's writes go to other slots), so finish_step waits for this step only
-            slot = pos % TOKEN_RING
-            self._step_done[slot].record(torch.cuda.current_stream(self.device))
-            self._copy_stream.wait_event(self._step_done[slot])
-            with torch.cuda.stream(self._copy_stream):
-                self._ring_host[slot:slot + 1].copy_(self.tok_ring[slot:slot + 1], non_blocking=True)
-                self._token_copied[slot].record(self._copy_stream)
+            rb, slot = self._readback, pos % TOKEN_RING
+            rb.step_done[slot].record(torch.cuda.current_stream(self.device))
+            rb.stream.wait_event(rb.step_done[slot])
+            with torch.cuda.stream(rb.stream):
+                rb.host[slot:slot + 1].copy_(self.tok_ring[slot:slot + 1], non_blocking=True)
+                rb.copied[slot].record(rb.stream)
 
     def finish_step(self) -> int:
         """The token of the oldest decode step in flight (waits for that step only)."""
@@ -459,8 +482,8 @@ class TritonBackend(Backend):
             return self.sample()
         slot = self._inflight.popleft() % TOKEN_RING
         if self.device.type == "cuda":
-            self._token_copied[slot].synchronize()
-            tok = int(self._ring_host[slot])
+            self._readback.copied[slot].synchronize()
+            tok = int(self._readback.host[slot])
         else:
             tok = int(self.tok_ring[slot])
         if not self._inflight:
