@@ -13,6 +13,7 @@ Triton prefill kernels take over, and as a cross-check).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -30,34 +31,41 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
 TOP_K_MAX = 256
+TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 TOKEN_RING = 4               # decode steps whose tokens the host can have outstanding (ring slots)
 
 
 @dataclass
 class _Readback:
+    """What brings one backend's decode tokens to the host: a side stream, a pinned buffer of
+    TOKEN_RING slots, an event per slot when its step is done and when its copy is."""
+    device_index: int
     stream: "torch.cuda.Stream"
-    host: torch.Tensor                       # pinned int64 [TOKEN_RING]
+    host: torch.Tensor
     step_done: list
     copied: list
 
 
-_READBACK: dict = {}
+_READBACK_POOL: list = []        # the sets of backends that were garbage-collected
 
 
-def _token_readback(device: torch.device) -> _Readback:
-    """The side stream, pinned buffer and events that bring decode tokens to the host, one set
-    per device for the whole process (one engine thread decodes at a time): never freed, so a
-    backend being garbage-collected makes no CUDA call (that could land inside another
-    backend's graph capture)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    rb = _READBACK.get(key)
-    if rb is None:
-        rb = _Readback(torch.cuda.Stream(device), torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True),
+def _token_readback(backend) -> _Readback:
+    """A readback set for `backend`: a retired one of its device when there is one. A set is
+    never freed: when its backend is collected it goes back to the pool (pure Python), so a
+    collection makes no CUDA call (one that lands inside another backend's graph capture
+    invalidates it)."""
+    dev = backend.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    rb = next((r for r in _READBACK_POOL if r.device_index == idx), None)
+    if rb is not None:
+        _READBACK_POOL.remove(rb)
+    else:
+        rb = _Readback(idx, torch.cuda.Stream(dev),
+                       torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True),
                        [torch.cuda.Event() for _ in range(TOKEN_RING)],
                        [torch.cuda.Event() for _ in range(TOKEN_RING)])
-        _READBACK[key] = rb
+    weakref.finalize(backend, _READBACK_POOL.append, rb)
     return rb
-TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 
 
 @dataclass
@@ -143,7 +151,7 @@ class TritonBackend(Backend):
         # positions of the decode steps launched and not yet finished (finish_step pops them)
         self._inflight: deque[int] = deque()
         if self.device.type == "cuda":
-            self._readback = _token_readback(self.device)
+            self._readback = _token_readback(self)
         if options.timing:
             self.configure(timing=True)
 
@@ -691,6 +699,7 @@ class TritonBackend(Backend):
         return {"gb_s": gb_s, "bytes_per_token": nbytes}
 
     def close(self) -> None:
+        self._drain()
         self._graph = None
         self.layers = []
         if self.device.type == "cuda":
