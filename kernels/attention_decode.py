@@ -88,6 +88,17 @@ def _norm_rope_tile(base, row_mask, offs_d, w, wp, cos, sin, eps,
 
 
 @triton.jit
+def _kv_tile(kc, vc, n0, cache_end, offs_d, d_mask, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cached K and V rows n0 .. n0 + BLOCK_N (masked at cache_end) and the row mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < cache_end
+    kv_off = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    return (tl.load(kc + kv_off, mask=kv_mask, other=0.0),
+            tl.load(vc + kv_off, mask=kv_mask, other=0.0), n_mask)
+
+
+@triton.jit
 def _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
                  DOT_PRECISION: tl.constexpr):
     """One [BLOCK_N] tile of cached positions into the online softmax (m_i, l_i, acc). A tile
@@ -136,12 +147,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         start = split * per_split
         end = tl.minimum(start + per_split, n_tok)
         cache_end = tl.minimum(tl.minimum(end, p), max_ctx)     # the cache holds all but p
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask0 = offs_n < cache_end
-        kv_off0 = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
-        kv_mask0 = n_mask0[:, None] & d_mask[None, :]
-        kt0 = tl.load(kc + kv_off0, mask=kv_mask0, other=0.0)
-        vt0 = tl.load(vc + kv_off0, mask=kv_mask0, other=0.0)
+        kt0, vt0, n_mask0 = _kv_tile(kc, vc, start, cache_end, offs_d, d_mask, HD, BLOCK_N)
         # what depends only on p and the weights: the RoPE table and the norm weights
         cos, sin = _rope_cos_sin(offs_d, p.to(tl.float32), freq_log2_step, act, ROT)
         qw, qwp = _norm_weights(qn_w_ptr, offs_d, HD, ROT)
@@ -183,12 +189,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         m_i, l_i, acc = _attend_tile(q_dot, kt0, vt0, n_mask0, m_i, l_i, acc, qk_scale_log2,
                                      DOT_PRECISION)
         for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < cache_end
-            kv_off = offs_n.to(tl.int64)[:, None] * HD + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            kt = tl.load(kc + kv_off, mask=kv_mask, other=0.0)
-            vt = tl.load(vc + kv_off, mask=kv_mask, other=0.0)
+            kt, vt, n_mask = _kv_tile(kc, vc, n0, cache_end, offs_d, d_mask, HD, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
                                          DOT_PRECISION)
 
