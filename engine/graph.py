@@ -7,13 +7,30 @@ re-captures on the engine's thread. If capture fails, one message and eager deco
 """
 from __future__ import annotations
 
+import gc
 import sys
+from contextlib import contextmanager
 
 import torch
 
 
 class GraphCaptureFailed(RuntimeError):
     pass
+
+
+@contextmanager
+def no_collection():
+    """No garbage collection inside a graph capture: a collection can free a dead engine's CUDA
+    graphs and their memory pool, and those CUDA calls, made inside the capture, invalidate it
+    ("operation failed due to a previous error during capture"; seen on the H200 when a test's
+    backend from an earlier test was collected mid-capture). Collection resumes afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture(backend) -> "torch.cuda.CUDAGraph":
@@ -30,7 +47,7 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
     if backend._timer_active is not None:
         backend._timer_active.events.clear()   # keep only the events recorded into the graph
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
+    with no_collection(), torch.cuda.graph(g, stream=stream):
         backend._decode_step()
     # capture records the kernels without running them, but restore anyway for safety
     _load_mutable(backend, saved)

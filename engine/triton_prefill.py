@@ -21,9 +21,12 @@ of a bucket runs the padded path eagerly (compiling what it needs) and then capt
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional
 
 import torch
+
+from .graph import no_collection
 
 PREFILL_CHUNK = 8192
 GRAPH_MAX_T = 2048
@@ -48,7 +51,9 @@ class PrefillGraphs:
     and every result is copied into `out`, outside the pool)."""
 
     def __init__(self, be):
-        self.be = be
+        # a weak reference: the backend holds this object, and a cycle would leave a dead backend
+        # (its graphs, their pool) to the garbage collector, at any later time
+        self._be = weakref.ref(be)
         dev = be.device
         self.ids = torch.zeros(GRAPH_MAX_T, dtype=torch.long, device=dev)
         self.t = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -61,9 +66,10 @@ class PrefillGraphs:
     def run(self, ids: torch.Tensor, start: int) -> Optional[torch.Tensor]:
         """The last token's residual stream (states updated), or None where the graph path does
         not apply (too long, too close to the end of the context, capture failed before)."""
+        be = self._be()
         T = ids.numel()
         B = graph_bucket(T)
-        if B is None or self.failed or start + B > self.be.options.max_context:
+        if B is None or self.failed or start + B > be.options.max_context:
             return None
         self.ids[:T].copy_(ids)
         self.ids[T:B].zero_()                       # pads read token 0
@@ -73,12 +79,12 @@ class PrefillGraphs:
         if g is not None:
             g.replay()
             return self.out
-        self.out.copy_(padded_prefill(self.be, self.ids[:B], self.start, self.t))
-        if self.be.device.type == "cuda":
+        self.out.copy_(padded_prefill(be, self.ids[:B], self.start, self.t))
+        if be.device.type == "cuda":
             try:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self.out.copy_(padded_prefill(self.be, self.ids[:B], self.start, self.t))
+                with no_collection(), torch.cuda.graph(g, pool=self.pool):
+                    self.out.copy_(padded_prefill(be, self.ids[:B], self.start, self.t))
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[B] = g

@@ -168,12 +168,48 @@ def test_gpu_decode_step_allocates_nothing_and_never_syncs(ckpt):
     tri._decode_step()
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "the decode step allocated"
-    # stream capture fails on any host synchronisation inside the step
+    # stream capture fails on any host synchronisation inside the step (captured as the engine
+    # captures: no garbage collection meanwhile, see graph.no_collection)
+    from tritonchat.engine.graph import no_collection
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
+        with no_collection(), torch.cuda.graph(g, stream=s):
             tri._decode_step()
+
+
+def _freed_without_collector(ckpt, device, dtype, graph):
+    """A backend that prefilled, decoded (with its graphs) and sampled is freed as soon as the
+    last reference goes: no reference cycle leaves it (and its CUDA graphs and their memory
+    pool) to the garbage collector, which could run in the middle of another graph capture."""
+    import gc
+    import weakref
+    cfg, _, tri = _pair(ckpt, device=device, dtype=dtype, graph=graph)
+    tri.prefill_graph = True          # the padded prefill path (captured on CUDA) on the CPU too
+    Generator(tri, []).generate(list(range(5, 20)), GREEDY, max_new_tokens=4)
+    assert tri._prefill_graphs is not None
+    tri.prefill([3, 4, 5])
+    tri.begin_sampling(GREEDY, [])
+    tri.step(tri.sample())
+    ref = weakref.ref(tri)
+    gc.disable()
+    try:
+        del tri
+        assert ref() is None, "the backend is kept alive by a reference cycle"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_backend_freed_without_collector(ckpt):
+    if "odd" in str(ckpt):
+        pytest.skip("one checkpoint is enough here (the interpreter is slow)")
+    _freed_without_collector(ckpt, "cpu", "float32", graph=False)
+
+
+@pytest.mark.gpu
+def test_gpu_backend_freed_without_collector(ckpt):
+    _freed_without_collector(ckpt, "cuda", "bfloat16", graph=True)
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin")
