@@ -57,12 +57,35 @@ def _rope_partner(offs_d, ROT: tl.constexpr):
 
 
 @triton.jit
+def _rope_table(pos_f, freq_log2_step, offs_d, act: tl.constexpr, ROT: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """_rope_cos_sin at every dim, evaluating each of the ROT/2 distinct angles once (the sin /
+    cos code is long; the dims past ROT are masked by the caller): the same values, bit for bit.
+    A rotary half that does not tile BLOCK_D falls back to one evaluation per dim."""
+    HALF: tl.constexpr = ROT // 2
+    if BLOCK_D % HALF == 0 and (HALF & (HALF - 1)) == 0:
+        c, s = _rope_cos_sin(tl.arange(0, HALF), pos_f, freq_log2_step, act, ROT)
+        # element d of the [BLOCK_D // HALF, HALF] broadcast is angle d % HALF
+        c = tl.reshape(tl.broadcast_to(c[None, :], (BLOCK_D // HALF, HALF)), (BLOCK_D,))
+        s = tl.reshape(tl.broadcast_to(s[None, :], (BLOCK_D // HALF, HALF)), (BLOCK_D,))
+        return c, s
+    else:
+        return _rope_cos_sin(offs_d, pos_f, freq_log2_step, act, ROT)
+
+
+@triton.jit
 def _norm_weights(w_ptr, offs_d, HD: tl.constexpr, ROT: tl.constexpr):
-    """The zero-centred norm weight at each dim and at its rotate-half partner (fp32)."""
-    d_mask = offs_d < HD
-    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + _rope_partner(offs_d, ROT), mask=d_mask, other=0.0).to(tl.float32)
-    return w, wp
+    """The zero-centred norm weight at each dim (row 0) and at its rotate-half partner (row 1),
+    as ONE [2, BLOCK_D] load (fp32)."""
+    two = tl.arange(0, 2)[:, None]
+    idx = tl.where(two == 0, offs_d[None, :], _rope_partner(offs_d, ROT)[None, :])
+    return tl.load(w_ptr + idx, mask=(offs_d < HD)[None, :] & (two < 2), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(t, i: tl.constexpr):
+    """Row i of a [2, N] tile (a sum of one value and a zero: exact)."""
+    return tl.sum(tl.where(tl.arange(0, 2)[:, None] == i, t, 0.0), axis=0)
 
 
 @triton.jit
@@ -131,6 +154,9 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
     d_mask = offs_d < HD
     kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
+    # the norm weights (no kernel writes them), each in one load issued first
+    wq2 = _norm_weights(qn_w_ptr, offs_d, HD, ROT)
+    wk2 = _norm_weights(kn_w_ptr, offs_d, HD, ROT)
 
     # The position and the cached K/V (slots < p) were written by earlier steps: with PDL mode 1
     # (a kernel lets the next one launch only after its own wait) those launches are complete,
@@ -148,10 +174,10 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         end = tl.minimum(start + per_split, n_tok)
         cache_end = tl.minimum(tl.minimum(end, p), max_ctx)     # the cache holds all but p
         kt0, vt0, n_mask0 = _kv_tile(kc, vc, start, cache_end, offs_d, d_mask, HD, BLOCK_N)
-        # what depends only on p and the weights: the RoPE table and the norm weights
-        cos, sin = _rope_cos_sin(offs_d, p.to(tl.float32), freq_log2_step, act, ROT)
-        qw, qwp = _norm_weights(qn_w_ptr, offs_d, HD, ROT)
-        kw, kwp = _norm_weights(kn_w_ptr, offs_d, HD, ROT)
+        # what depends only on p and the weights: the RoPE table and the norm weights' rows
+        cos, sin = _rope_table(p.to(tl.float32), freq_log2_step, offs_d, act, ROT, BLOCK_D)
+        qw, qwp = _row(wq2, 0), _row(wq2, 1)
+        kw, kwp = _row(wk2, 0), _row(wk2, 1)
         if PDL != 2:
             _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
 

@@ -228,19 +228,21 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
     if PDL == 2:
         _gemv._pdl_wait(PDL)
     S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)          # parameters: no kernel writes them
+    a_log = tl.load(A_log_ptr + h).to(tl.float32)
     if PDL != 2:
         _gemv._pdl_wait(PDL)
 
+    # every load of the producer's output issued before the first value that waits on one
     q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(proj_ptr + key_dim + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
     v = tl.load(proj_ptr + 2 * key_dim + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     b = tl.load(proj_ptr + ba_off + h).to(tl.float32)
     a = tl.load(proj_ptr + ba_off + HV + h).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
     beta = tl.sigmoid(b).to(act).to(tl.float32)
-    a_dt = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-    g_log = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a_dt, SP_THRESHOLD)
+    g_log = -tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD)
 
     S = S * tl.exp(g_log)
     pred = tl.sum(S * k[:, None], axis=0)                 # S^T k

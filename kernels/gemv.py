@@ -437,6 +437,51 @@ def _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO: tl.constexpr, MASK_K: tl.const
 
 
 @triton.jit
+def _x_tile_raw(x_ptr, ks, k_ok, MASK_K: tl.constexpr):
+    if MASK_K:
+        return tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+    else:
+        return tl.load(x_ptr + ks, eviction_policy="evict_last")
+
+
+@triton.jit
+def _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO: tl.constexpr, MASK_K: tl.constexpr,
+             BLOCK_X: tl.constexpr, ONE_X: tl.constexpr):
+    """(the GEMV input at ks, inv_rms) right after the PDL wait: _rms_inv then _x_rms, with every
+    load issued before the first value that waits on one (the whole vector for the norm, then
+    this tile; the tile's norm weights `nw0` were read before the wait), so the prologue costs
+    one L2 round trip instead of two. ONE_X: the whole vector is one BLOCK_X load."""
+    if PRO == 1:
+        if ONE_X:
+            offs = tl.arange(0, BLOCK_X)
+            v = tl.load(x_ptr + offs, mask=offs < K, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            v0 = _x_tile_raw(x_ptr, ks, k_ok, MASK_K)
+            inv_rms = tl.rsqrt(tl.sum(v * v, axis=0) / K + eps)    # = _rms_inv, one block
+        else:
+            v0 = _x_tile_raw(x_ptr, ks, k_ok, MASK_K)
+            inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_X)
+        x = (v0.to(tl.float32) * inv_rms * (1.0 + nw0.to(tl.float32))).to(v0.dtype).to(tl.float32)
+    else:
+        x = _x_tile_raw(x_ptr, ks, k_ok, MASK_K).to(tl.float32)
+        inv_rms = 1.0
+    return x, inv_rms
+
+
+@triton.jit
+def _nw_first(nw_ptr, ks, k_ok, PRO: tl.constexpr, MASK_K: tl.constexpr):
+    """The norm weights of the first tile (PRO_RMS; read before the PDL wait: no kernel writes
+    them); a 0.0 placeholder otherwise."""
+    nw0 = 0.0
+    if PRO == 1:
+        if MASK_K:
+            nw0 = tl.load(nw_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        else:
+            nw0 = tl.load(nw_ptr + ks, eviction_policy="evict_last")
+    return nw0
+
+
+@triton.jit
 def _x_gated(o_ptr, z_ptr, nw_ptr, base, ds, d_ok, inv_rms, MASK_K: tl.constexpr):
     """round(w[ds] * round(o * inv_rms) * silu(z)) at head offset `base` (masked lanes 0)."""
     if MASK_K:
@@ -528,7 +573,8 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                        PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
                        KW: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-                       MASK_N: tl.constexpr, MASK_K: tl.constexpr, PDL: tl.constexpr):
+                       ONE_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+                       PDL: tl.constexpr):
     _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -574,11 +620,9 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         w0 = _w_load(g_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
         if PAIR:
             u0 = _w_load(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
+        nw0 = _nw_first(nw_ptr, ks0, ks0 < k_hi, PRO, MASK_K)
         _pdl_wait(PDL)
-        inv_rms = 1.0
-        if PRO == 1:
-            inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_X)
-        x = _x_rms(x_ptr, nw_ptr, ks0, ks0 < k_hi, inv_rms, PRO, MASK_K)
+        x, inv_rms = _x_first(x_ptr, nw0, ks0, ks0 < k_hi, K, eps, PRO, MASK_K, BLOCK_X, ONE_X)
         acc += w0.to(tl.float32) * x[None, :]
         if PAIR:
             acc_u += u0.to(tl.float32) * x[None, :]
@@ -650,25 +694,26 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
     if PAIR:
         u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
                         k_ok, True, MASK_K)
-    _pdl_wait(PDL)
+    # the prologue's norm weights before the wait (no kernel writes them); after it, every
+    # activation load issued before the first value that waits on one
     if PRO == 2:
         NH: tl.constexpr = BLOCK_K // DV
         dd = tl.arange(0, DV)
         off2 = tl.arange(0, NH)[:, None] * DV + dd[None, :]
+        nw = tl.load(nw_ptr + dd, eviction_policy="evict_last").to(tl.float32)
+        _pdl_wait(PDL)
         o2 = tl.load(x_ptr + off2, eviction_policy="evict_last")
+        zf = tl.load(z_ptr + off2, eviction_policy="evict_last").to(tl.float32)
         act = o2.dtype
         of = o2.to(tl.float32)
         inv = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
         n = (of * inv[:, None]).to(act).to(tl.float32)
-        zf = tl.load(z_ptr + off2, eviction_policy="evict_last").to(tl.float32)
-        nw = tl.load(nw_ptr + dd, eviction_policy="evict_last").to(tl.float32)
         x = tl.reshape((nw[None, :] * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32),
                        (BLOCK_K,))
     else:
-        inv_rms = 1.0
-        if PRO == 1:
-            inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_K)
-        x = _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO, MASK_K)
+        nw0 = _nw_first(nw_ptr, ks, k_ok, PRO, MASK_K)
+        _pdl_wait(PDL)
+        x, inv_rms = _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
     for rb in range(pid, n_blocks, NPROG):
         rows = rb * BLOCK_N + offs_n
         row_mask = rows < N_OUT
@@ -933,8 +978,8 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     _fused_gemv_kernel[(n_blocks, grid_s)](
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
-        BLOCK_K=block_k, BLOCK_X=block_x, MASK_N=n_out % block_n != 0, MASK_K=mask_k,
-        PDL=pdl, num_warps=num_warps, **_launch_kw(dev))
+        BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= K, MASK_N=n_out % block_n != 0,
+        MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **_launch_kw(dev))
     return out
 
 

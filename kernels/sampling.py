@@ -113,8 +113,8 @@ def _unpack_idx(key):
 @triton.jit
 def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, stride_e, eps,
                     PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_X: tl.constexpr, ONE_X: tl.constexpr, MASK_N: tl.constexpr,
+                    MASK_K: tl.constexpr, PDL: tl.constexpr):
     # PRO = 1: the final zero-centred RMSNorm of h is this GEMV's prologue (rounded to h.dtype)
     _gemv._pdl_start(PDL)
     pid = tl.program_id(0)
@@ -123,12 +123,11 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
     offs_k = tl.arange(0, BLOCK_K)
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e
     w0 = _gemv._w_load(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
+    nw0 = _gemv._nw_first(nw_ptr, offs_k, offs_k < K, PRO, MASK_K)
     _gemv._pdl_wait(PDL)
-    inv_rms = 1.0
-    if PRO == 1:
-        inv_rms = _gemv._rms_inv(h_ptr, K, eps, BLOCK_X)
-    acc = w0.to(tl.float32) * _gemv._x_rms(h_ptr, nw_ptr, offs_k, offs_k < K, inv_rms, PRO,
-                                          MASK_K)[None, :]
+    x0, inv_rms = _gemv._x_first(h_ptr, nw0, offs_k, offs_k < K, K, eps, PRO, MASK_K, BLOCK_X,
+                                 ONE_X)
+    acc = w0.to(tl.float32) * x0[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < K
@@ -235,7 +234,7 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                            int(valid_vocab), D, E.stride(0), float(eps),
                            PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
                            BLOCK_K=block_k, BLOCK_X=min(1024, next_pow2(D)),
-                           MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
+                           ONE_X=min(1024, next_pow2(D)) >= D, MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
                            PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
                            **_gemv._launch_kw(h.device))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)

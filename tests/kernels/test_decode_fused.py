@@ -449,7 +449,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                      out_ptr="*bf16", res_ptr="*bf16", conv_state_ptr="*bf16",
                      conv_w_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", N_OUT="i32",
                      K="i32", stride_w="i32", eps="fp32", K_PER_SPLIT="i32", CONV_DIM="i32")
-    base = dict(DV=1, KW=4, BLOCK_X=1024, MASK_N=False, MASK_K=False, PDL=1)
+    base = dict(DV=1, KW=4, BLOCK_X=1024, ONE_X=True, MASK_N=False, MASK_K=False, PDL=1)
     for pro, epi, split, bn, bk in ((1, 3, 1, 8, 512), (1, 2, 1, 4, 512), (1, 0, 2, 8, 512),
                                     (0, 1, 4, 4, 512)):
         build(G._fused_gemv_kernel, gemv_args,
@@ -482,8 +482,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     lm_args = dict(h_ptr="*bf16", nw_ptr="*bf16", e_ptr="*bf16", logits_ptr="*fp32",
                    part_ptr="*i64", V="i32", VALID="i32", K="i32", stride_e="i32", eps="fp32")
     build(S._lm_head_kernel, lm_args,
-          dict(PRO=1, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024, MASK_N=False, MASK_K=False,
-               PDL=True), 4)
+          dict(PRO=1, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024, ONE_X=True, MASK_N=False,
+               MASK_K=False, PDL=True), 4)
     print("OK")
 """)
 
