@@ -142,8 +142,9 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         pos_ptr, part_ptr, cnt_ptr, out_ptr, max_ctx, eps, qk_scale_log2,
                         freq_log2_step,
                         HD: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     kvh = tl.program_id(0)
@@ -230,10 +231,14 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot above
         acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)[None, :]
 
-        rec = part_ptr + (heads.to(tl.int64) * NUM_SPLITS + split) * (HD + 2)
-        tl.store(rec[:, None] + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(rec + HD, m_new, mask=h_mask)
-        tl.store(rec + HD + 1, l_i, mask=h_mask)
+        # partials: the acc rows [H, NUM_SPLITS, HD] (16-byte aligned rows: vector loads in the
+        # merge), then the (m, l) pairs [H, NUM_SPLITS, 2]
+        ml_ptr = part_ptr + NUM_HEADS * NUM_SPLITS * HD
+        rec = heads.to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_ptr + rec[:, None] * HD + offs_d[None, :], acc,
+                 mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
+        tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
 
         # the split that finishes last for this KV head merges the group's partials (no second
         # launch): every partial store is issued before the ticket (release), the last ticket
@@ -241,25 +246,34 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if ticket == n_active - 1:
-            offs_s = tl.arange(0, BLOCK_S)
+            # MERGE splits at a time, every load of a chunk in flight together (acc rows first:
+            # they stay in flight while (m, l) arrive), max-rescaled online, in split order
+            offs_c = tl.arange(0, MERGE)
             run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
             num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
             den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-            for s0 in range(0, n_active, BLOCK_S):
-                ss = s0 + offs_s
-                sg_mask = (ss < n_active)[:, None] & g_mask[None, :]
-                recs = part_ptr + (hrow.to(tl.int64)[None, :] * NUM_SPLITS + ss[:, None]) * (HD + 2)
-                m = tl.load(recs + HD, mask=sg_mask, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(recs + HD + 1, mask=sg_mask, other=0.0, cache_modifier=".cg")
-                a = tl.load(recs[:, :, None] + offs_d[None, None, :],
-                            mask=sg_mask[:, :, None] & d_mask[None, None, :], other=0.0,
-                            cache_modifier=".cg")
-                c_max = tl.maximum(run_max, tl.max(m, axis=0))
+            for s0 in range(0, n_active, MERGE):
+                a_rows = ()
+                for i in tl.static_range(MERGE):
+                    # (a vector: the interpreter rejects a scalar & vector mask)
+                    ok = g_mask & ((offs_g * 0 + s0 + i) < n_active)
+                    rr = hrow.to(tl.int64) * NUM_SPLITS + s0 + i
+                    a_rows = a_rows + (tl.load(part_ptr + rr[:, None] * HD + offs_d[None, :],
+                                               mask=ok[:, None] & d_mask[None, :], other=0.0,
+                                               cache_modifier=".cg"),)
+                cg_mask = ((s0 + offs_c) < n_active)[:, None] & g_mask[None, :]
+                ml = ml_ptr + (hrow.to(tl.int64)[None, :] * NUM_SPLITS + s0 + offs_c[:, None]) * 2
+                m_c = tl.load(ml, mask=cg_mask, other=float("-inf"), cache_modifier=".cg")
+                l_c = tl.load(ml + 1, mask=cg_mask, other=0.0, cache_modifier=".cg")
+                c_max = tl.maximum(run_max, tl.max(m_c, axis=0))
                 c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)   # padded heads only
                 scale = tl.exp2(run_max - c_safe)
-                w = tl.exp2(m - c_safe[None, :])
-                num = num * scale[:, None] + tl.sum(w[:, :, None] * a, axis=0)
-                den = den * scale + tl.sum(w * l, axis=0)
+                w_c = tl.exp2(m_c - c_safe[None, :])
+                den = den * scale + tl.sum(w_c * l_c, axis=0)
+                num = num * scale[:, None]
+                for i in tl.static_range(MERGE):
+                    w_i = tl.sum(tl.where(offs_c[:, None] == i, w_c, 0.0), axis=0)   # row i
+                    num += w_i[:, None] * a_rows[i]
                 run_max = c_max
             o = num / tl.where(den > 0.0, den, 1.0)[:, None]
             o = o.to(act).to(tl.float32)
@@ -270,7 +284,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
 
 
 def partials_numel(num_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the `partials` scratch: (acc[hd], m, l) per (head, split)."""
+    """fp32 elements of the `partials` scratch: acc[hd] and (m, l) per (head, split)."""
     return num_heads * num_splits * (head_dim + 2)
 
 
@@ -347,16 +361,14 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else None
     num_warps = num_warps or (4 if block_d <= 128 else 8)
     block_g = next_pow2(group)
-    # the merge reads [BLOCK_S splits, group, head_dim] partials at a time (~128 fp32 a
-    # thread: on the H200, 3 chunks of 32 splits at 32K context were 15 us/step faster than
-    # 5 chunks of 16)
-    block_s = merge_splits or max(1, min(next_pow2(num_splits),
-                                         (128 * 32 * num_warps) // (block_g * block_d)))
+    # the merge reads merge_splits splits' partials at a time, all in flight together (8: one
+    # L2 round trip per 8 splits; 4 and 16 were slower in the step on the H200)
+    block_s = merge_splits or 8
     _expect(block_s >= 1 and block_s & (block_s - 1) == 0, "merge_splits must be a power of two")
     _attn_decode_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
         float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
-        HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_G=block_g,
-        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, DOT_PRECISION=dot_precision,
-        PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps, **_gemv._launch_kw(qg.device))
+        HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=block_s,
+        DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps, **_gemv._launch_kw(qg.device))
     return out
