@@ -503,8 +503,8 @@ def _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr, CONV_DIM,
              EPI: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the epilogue reads besides the GEMV result: the residual rows (EPI_RESIDUAL), the
     conv state and weights of the conv channels among the rows (EPI_CONV; `s_nxt` = the state
-    shifted by one slot), loaded as whole [rows, taps] tiles. (Loading them before the PDL wait
-    was measured: no change in the step on the H200.)"""
+    shifted by one slot), loaded as whole [rows, taps] tiles. The direct forms read them before
+    the PDL wait (then the epilogue waits on no load after the K loop)."""
     KWP: tl.constexpr = triton.next_power_of_2(KW)
     jj = tl.arange(0, KWP)
     r = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -586,6 +586,15 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
     u_rows = w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w    # PAIR: up half
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # The direct form reads what its epilogue needs besides the result (residual rows, conv
+    # state and weights) before the PDL wait: earlier kernels wrote them, and with PDL mode 1 (a
+    # kernel lets the next one launch only after its own wait) those are complete; mode 2 lets
+    # launches run further ahead, so there they are read after the loop.
+    EPI_EARLY: tl.constexpr = SPLIT_K == 1 and PDL != 2
+    EPI_LATE: tl.constexpr = SPLIT_K == 1 and PDL == 2
+    if EPI_EARLY:
+        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                    CONV_DIM, EPI, KW, BLOCK_N)
 
     if PRO == 2:
         # K = heads x DV; the splits own whole heads
@@ -636,9 +645,10 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
 
     y = tl.sum(acc, axis=1)
     up = tl.sum(acc_u, axis=1)
-    if SPLIT_K == 1:
+    if EPI_LATE:
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                     CONV_DIM, EPI, KW, BLOCK_N)
+    if SPLIT_K == 1:
         _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
     else:
@@ -694,6 +704,11 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
     if PAIR:
         u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
                         k_ok, True, MASK_K)
+    # the first row block's epilogue inputs before the wait (PDL mode 1: their writers are
+    # complete; see _fused_gemv_kernel), the later blocks' one block ahead in the loop
+    if PDL != 2:
+        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                    CONV_DIM, EPI, KW, BLOCK_N)
     # the prologue's norm weights before the wait (no kernel writes them); after it, every
     # activation load issued before the first value that waits on one
     if PRO == 2:
@@ -714,6 +729,9 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         nw0 = _nw_first(nw_ptr, ks, k_ok, PRO, MASK_K)
         _pdl_wait(PDL)
         x, inv_rms = _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
+    if PDL == 2:
+        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                    CONV_DIM, EPI, KW, BLOCK_N)
     for rb in range(pid, n_blocks, NPROG):
         rows = rb * BLOCK_N + offs_n
         row_mask = rows < N_OUT
@@ -725,16 +743,17 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         if PAIR:
             u_nxt = _w_load(w_ptr + (nrows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, nmask,
                             k_ok, True, MASK_K)
+        r_n, w2_n, s2_n, s_nxt_n = _epi_pre(nrows, nmask, res_ptr, conv_state_ptr, conv_w_ptr,
+                                            CONV_DIM, EPI, KW, BLOCK_N)
         y = tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
         up = y
         if PAIR:
             up = tl.sum(u_cur.to(tl.float32) * x[None, :], axis=1)
-        r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
-                                    CONV_DIM, EPI, KW, BLOCK_N)
         _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
         w_cur = w_nxt
         u_cur = u_nxt
+        r, w2, s2, s_nxt = r_n, w2_n, s2_n, s_nxt_n
 
 
 def gated_persistent_ok(k: int, head_dim: int) -> bool:
