@@ -89,18 +89,14 @@ def _row(t, i: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_tile(base, row_mask, offs_d, w, wp, cos, sin, eps,
-                    HD: tl.constexpr, ROT: tl.constexpr):
-    """Zero-centred RMSNorm of the head rows at `base` ([R, 1] pointers) with the weights
-    (w, wp) of _norm_weights, then partial rotate-half RoPE with the (cos, sin) of
-    _rope_cos_sin. Returns the [R, BLOCK_D] tile rounded to the dtype (as fp32)."""
-    act = base.dtype.element_ty
-    d_mask = offs_d < HD
+def _norm_rope(x, xp, w, wp, cos, sin, offs_d, eps, act: tl.constexpr, HD: tl.constexpr,
+               ROT: tl.constexpr):
+    """Zero-centred RMSNorm of the head rows x ([R, BLOCK_D] fp32, zero past HD; xp = the same
+    rows read at each dim's RoPE partner) with the weights (w, wp) at each dim and at its
+    partner, then partial rotate-half RoPE with the (cos, sin) of _rope_cos_sin. Returns the
+    rows rounded to `act` (as fp32)."""
     in_lo = offs_d < ROT // 2
     in_rot = offs_d < ROT
-    m = row_mask & d_mask[None, :]
-    x = tl.load(base + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(base + _rope_partner(offs_d, ROT)[None, :], mask=m, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
     xn = (x * inv_rms[:, None] * (1.0 + w[None, :])).to(act).to(tl.float32)
     xpn = (xp * inv_rms[:, None] * (1.0 + wp[None, :])).to(act).to(tl.float32)
@@ -153,6 +149,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
     act = out_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HD
+    partner = _rope_partner(offs_d, ROT)
     kc = k_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     vc = v_cache_ptr + kvh.to(tl.int64) * max_ctx * HD
     # the norm weights (no kernel writes them), each in one load issued first
@@ -185,27 +182,30 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < GROUP
         heads = kvh * GROUP + offs_h
-        offs_g = tl.arange(0, BLOCK_G)
-        g_mask = offs_g < GROUP
-        hrow = kvh * GROUP + offs_g
-        gd_mask = g_mask[:, None] & d_mask[None, :]
-        # the group's output gates, read with q/k/v (the merge below then waits on nothing)
-        gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :], mask=gd_mask,
-                       other=0.0).to(tl.float32)
-        # the group's queries [BLOCK_H, BLOCK_D] and this token's key (rows past GROUP are zeros)
-        q = _norm_rope_tile(qg_ptr + heads[:, None] * (2 * HD), h_mask[:, None], offs_d, qw, qwp,
-                            cos, sin, eps, HD, ROT)
-        k_new = _norm_rope_tile(k_ptr + kvh * HD + tl.zeros((1, 1), dtype=tl.int32),
-                                tl.full((1, 1), 1, tl.int1), offs_d, kw, kwp, cos, sin, eps,
-                                HD, ROT)
+        # One round trip: the group's queries (rows past GROUP are zeros), this token's key and
+        # value, all as [BLOCK_H, BLOCK_D] tiles of one layout (the key and value repeated in
+        # every row: no layout conversion, which would wait on its load before the next load
+        # is issued), each also read at the RoPE partner dims. The output gates are read by
+        # the merge.
+        qrows = qg_ptr + heads[:, None] * (2 * HD)
+        qm = h_mask[:, None] & d_mask[None, :]
+        rep = kvh * HD + offs_h[:, None] * 0                      # every row: this KV head
+        rm = (offs_h >= 0)[:, None] & d_mask[None, :]
+        qx = tl.load(qrows + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
+        qxp = tl.load(qrows + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+        kx = tl.load(k_ptr + rep + offs_d[None, :], mask=rm, other=0.0).to(tl.float32)
+        kxp = tl.load(k_ptr + rep + partner[None, :], mask=rm, other=0.0).to(tl.float32)
+        v_new = tl.load(v_ptr + rep + offs_d[None, :], mask=rm, other=0.0).to(cdt)
+        q = _norm_rope(qx, qxp, qw, qwp, cos, sin, offs_d, eps, act, HD, ROT)
+        k_new = _norm_rope(kx, kxp, kw, kwp, cos, sin, offs_d, eps, act, HD, ROT)
         k_new = k_new.to(cdt).to(tl.float32)
-        v_new = tl.load(v_ptr + kvh * HD + offs_d, mask=d_mask, other=0.0).to(cdt)
         if split == 0:
-            # (p broadcast to a vector: the interpreter rejects a scalar & vector store mask)
-            slot_ok = d_mask & ((offs_d * 0 + p) < max_ctx)
-            tl.store(kc + p.to(tl.int64) * HD + offs_d[None, :], k_new.to(cdt),
-                     mask=slot_ok[None, :])
-            tl.store(vc + p.to(tl.int64) * HD + offs_d, v_new, mask=slot_ok)
+            # row 0 of the repeated key / value into cache slot p (p broadcast to a vector: the
+            # interpreter rejects a scalar & vector store mask)
+            slot_ok = (offs_h == 0)[:, None] & d_mask[None, :] & ((offs_d * 0 + p) < max_ctx)[None, :]
+            dst = p.to(tl.int64) * HD + offs_h[:, None] * 0 + offs_d[None, :]
+            tl.store(kc + dst, k_new.to(cdt), mask=slot_ok)
+            tl.store(vc + dst, v_new, mask=slot_ok)
 
         # online softmax in fp32 (base 2) over this split's cached positions: the tile loaded
         # before the wait, then the rest
@@ -229,7 +229,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         p_cur = tl.exp2(s_cur - m_safe)
         l_i = l_i * alpha + p_cur
         p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot above
-        acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)
 
         # partials: the acc rows [H, NUM_SPLITS, HD] (16-byte aligned rows: vector loads in the
         # merge), then the (m, l) pairs [H, NUM_SPLITS, 2]
@@ -246,6 +246,12 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if ticket == n_active - 1:
+            offs_g = tl.arange(0, BLOCK_G)
+            g_mask = offs_g < GROUP
+            hrow = kvh * GROUP + offs_g
+            gd_mask = g_mask[:, None] & d_mask[None, :]
+            gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :],
+                           mask=gd_mask, other=0.0).to(tl.float32)
             # MERGE splits at a time, every load of a chunk in flight together (acc rows first:
             # they stay in flight while (m, l) arrive), max-rescaled online, in split order
             offs_c = tl.arange(0, MERGE)
