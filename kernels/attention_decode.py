@@ -14,13 +14,17 @@ at once (a [max(16, H/Hkv), hd] query tile: `tl.dot` reads each K/V tile once fo
 its slice of positions: the slice length is ceil((p+1)/num_splits) rounded up to BLOCK_N and is
 computed on the device from `pos`, so one CUDA graph serves every position; splits past the end
 exit at once. The position, the first K/V tile, the RoPE table and the norm weights are read
-before the PDL wait (earlier steps wrote them). The new token's K/V are used from registers and written to the cache by split 0;
-no program reads cache slot p during this launch, so the write cannot race a read. Softmax is
+before the PDL wait (earlier steps wrote them); after it, the queries, key and value in one
+round trip (tiles of one layout: a load whose value needs a layout conversion makes the warp
+wait for it before issuing the next load). The new token's K/V are used from registers and
+written to the cache by split 0; no program reads cache slot p during this launch, so the
+write cannot race a read. Softmax is
 online in fp32 (base 2); the probabilities are rounded to the cache dtype for the P V
 tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). Each split stores
-its partials (acc, m, l) and takes a ticket from its KV head's counter; the split drawing the
-last ticket merges the group's partials in split order (max-rescaled, online over chunks of
-splits), rounds, gates and stores the heads' outputs, and resets the counter. (Until the
+its partials (acc rows, then (m, l)) and takes a ticket from its KV head's counter; the split
+drawing the last ticket merges the group's partials in split order (max-rescaled, online over
+chunks of 8 splits whose loads are in flight together), rounds, gates and stores the heads'
+outputs, and resets the counter. (Until the
 ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
 """
 from __future__ import annotations

@@ -310,6 +310,12 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
 # is the rounding to the activation dtype (the dtype of the prologue's input vector), placed
 # exactly where the unfused sequence (norm kernel -> bf16 buffer -> GEMV) rounds.
 #
+# Latency: a decode GEMV's time past its bytes is a chain of dependent memory round trips, so
+# everything that no earlier kernel of the step writes (the first weight tile, the prologue's
+# norm weights) and everything whose writer is already complete under PDL mode 1 (the
+# epilogue's residual rows and conv state) is read before the PDL wait, and after it every
+# activation load is issued before the first value that waits on one (_x_first).
+#
 # Split-K without a second launch: each (row block, split) program writes its fp32 partial sums,
 # then takes a ticket from a per-row-block counter; the program that draws the last ticket sums
 # the SPLIT_K partials in split order (deterministic, whatever order the programs finish in),
