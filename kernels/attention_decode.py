@@ -18,14 +18,13 @@ before the PDL wait (earlier steps wrote them); after it, the queries, key and v
 round trip (tiles of one layout: a load whose value needs a layout conversion makes the warp
 wait for it before issuing the next load). The new token's K/V are used from registers and
 written to the cache by split 0; no program reads cache slot p during this launch, so the
-write cannot race a read. Softmax is
-online in fp32 (base 2); the probabilities are rounded to the cache dtype for the P V
-tensor-core dot (HF eager also rounds its fp32 softmax to bf16 before P V). Each split stores
-its partials (acc rows, then (m, l)) and takes a ticket from its KV head's counter; the split
-drawing the last ticket merges the group's partials in split order (max-rescaled, online over
-chunks of 8 splits whose loads are in flight together), rounds, gates and stores the heads'
-outputs, and resets the counter. (Until the
-ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
+write cannot race a read. Softmax is online in fp32 (base 2); the probabilities are rounded to
+the cache dtype for the P V tensor-core dot (HF eager also rounds its fp32 softmax to bf16
+before P V). Each split stores its partials (acc rows, then (m, l)) and takes a ticket from its
+KV head's counter; the split drawing the last ticket merges the group's partials in split order
+(max-rescaled, online over chunks of 8 splits whose loads are in flight together), rounds,
+gates and stores the heads' outputs, and resets the counter. (Until the ticket, a second
+"combine" launch did the merge: one kernel boundary more per layer.)
 """
 from __future__ import annotations
 
@@ -206,7 +205,8 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         if split == 0:
             # row 0 of the repeated key / value into cache slot p (p broadcast to a vector: the
             # interpreter rejects a scalar & vector store mask)
-            slot_ok = (offs_h == 0)[:, None] & d_mask[None, :] & ((offs_d * 0 + p) < max_ctx)[None, :]
+            slot_ok = ((offs_h == 0)[:, None] & d_mask[None, :]
+                       & ((offs_d * 0 + p) < max_ctx)[None, :])
             dst = p.to(tl.int64) * HD + offs_h[:, None] * 0 + offs_d[None, :]
             tl.store(kc + dst, k_new.to(cdt), mask=slot_ok)
             tl.store(vc + dst, v_new, mask=slot_ok)
@@ -373,12 +373,13 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_g = next_pow2(group)
     # the merge reads merge_splits splits' partials at a time, all in flight together (8: one
     # L2 round trip per 8 splits; 4 and 16 were slower in the step on the H200)
-    block_s = merge_splits or 8
-    _expect(block_s >= 1 and block_s & (block_s - 1) == 0, "merge_splits must be a power of two")
+    merge = merge_splits or 8
+    _expect(merge >= 1 and merge & (merge - 1) == 0, "merge_splits must be a power of two")
     _attn_decode_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
         float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=block_s,
-        DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps, **_gemv._launch_kw(qg.device))
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
+        DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
+        **_gemv._launch_kw(qg.device))
     return out

@@ -444,6 +444,7 @@ def _x_rms(x_ptr, nw_ptr, ks, k_ok, inv_rms, PRO: tl.constexpr, MASK_K: tl.const
 
 @triton.jit
 def _x_tile_raw(x_ptr, ks, k_ok, MASK_K: tl.constexpr):
+    """x[ks] as stored (kept in cache for the other programs; masked only for a ragged K)."""
     if MASK_K:
         return tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
     else:
@@ -467,7 +468,8 @@ def _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO: tl.constexpr, MASK_K: tl.constex
         else:
             v0 = _x_tile_raw(x_ptr, ks, k_ok, MASK_K)
             inv_rms = _rms_inv(x_ptr, K, eps, BLOCK_X)
-        x = (v0.to(tl.float32) * inv_rms * (1.0 + nw0.to(tl.float32))).to(v0.dtype).to(tl.float32)
+        x = v0.to(tl.float32) * inv_rms * (1.0 + nw0.to(tl.float32))
+        x = x.to(v0.dtype).to(tl.float32)
     else:
         x = _x_tile_raw(x_ptr, ks, k_ok, MASK_K).to(tl.float32)
         inv_rms = 1.0

@@ -230,11 +230,12 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     for t in (E, logits_out, token_out, partials):
         if t.device != h.device:
             raise ValueError("lm_head_argmax: all tensors must be on one device")
+    block_x = min(1024, next_pow2(D))
     _lm_head_kernel[(nb,)](h, norm_w if norm_w is not None else h, E, logits_out, partials, V,
                            int(valid_vocab), D, E.stride(0), float(eps),
                            PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
-                           BLOCK_K=block_k, BLOCK_X=min(1024, next_pow2(D)),
-                           ONE_X=min(1024, next_pow2(D)) >= D, MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
+                           BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= D,
+                           MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
                            PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
                            **_gemv._launch_kw(h.device))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
