@@ -106,6 +106,7 @@ def test_gemv_rmsnorm_epilogues(epilogue, split_k, dtype):
     (33, 48, 32, 128, 1),      # tile wider than K
     (130, 80, 64, 16, 4),      # many K steps, four splits
     (24, 96, 8, 16, 8),        # split_k > K blocks / 2: splits of one tile
+    (6, 1100, 4, 256, 2),      # K past the one-block norm (1024): the looped norm, split
 ])
 def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
     g = torch.Generator().manual_seed(n_rows + K)
