@@ -13,7 +13,6 @@ Triton prefill kernels take over, and as a cross-check).
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -38,34 +37,19 @@ TOKEN_RING = 4               # decode steps whose tokens the host can have outst
 @dataclass
 class _Readback:
     """What brings one backend's decode tokens to the host: a side stream, a pinned buffer of
-    TOKEN_RING slots, an event per slot when its step is done and when its copy is."""
-    device_index: int
+    TOKEN_RING slots, an event per slot when its step is done and when its copy is. Freed with
+    its backend (which no reference cycle keeps alive, and graph captures run with the cyclic
+    collector off: no collection makes CUDA calls inside a capture)."""
     stream: "torch.cuda.Stream"
     host: torch.Tensor
     step_done: list
     copied: list
 
-
-_READBACK_POOL: list = []        # the sets of backends that were garbage-collected
-
-
-def _token_readback(backend) -> _Readback:
-    """A readback set for `backend`: a retired one of its device when there is one. A set is
-    never freed: when its backend is collected it goes back to the pool (pure Python), so a
-    collection makes no CUDA call (one that lands inside another backend's graph capture
-    invalidates it)."""
-    dev = backend.device
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    rb = next((r for r in _READBACK_POOL if r.device_index == idx), None)
-    if rb is not None:
-        _READBACK_POOL.remove(rb)
-    else:
-        rb = _Readback(idx, torch.cuda.Stream(dev),
-                       torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True),
-                       [torch.cuda.Event() for _ in range(TOKEN_RING)],
-                       [torch.cuda.Event() for _ in range(TOKEN_RING)])
-    weakref.finalize(backend, _READBACK_POOL.append, rb)
-    return rb
+    @classmethod
+    def on(cls, dev: torch.device) -> "_Readback":
+        host = torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True)
+        return cls(torch.cuda.Stream(dev), host, [torch.cuda.Event() for _ in range(TOKEN_RING)],
+                   [torch.cuda.Event() for _ in range(TOKEN_RING)])
 
 
 @dataclass
@@ -151,7 +135,7 @@ class TritonBackend(Backend):
         # positions of the decode steps launched and not yet finished (finish_step pops them)
         self._inflight: deque[int] = deque()
         if self.device.type == "cuda":
-            self._readback = _token_readback(self)
+            self._readback = _Readback.on(self.device)
         if options.timing:
             self.configure(timing=True)
 
@@ -230,7 +214,8 @@ class TritonBackend(Backend):
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms)
         self.attn_partials = z(ad.partials_numel(H, hd, self.attn_splits), dtype=torch.float32)
-        self.attn_counters = z(KV, dtype=torch.int32)       # zero; every launch leaves them zero
+        # zero; every launch leaves them zero
+        self.attn_counters = z(ad.counters_numel(KV, self.attn_splits), dtype=torch.int32)
         from tritonchat.kernels import sampling as S
         self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
         self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)

@@ -20,11 +20,13 @@ wait for it before issuing the next load). The new token's K/V are used from reg
 written to the cache by split 0; no program reads cache slot p during this launch, so the
 write cannot race a read. Softmax is online in fp32 (base 2); the probabilities are rounded to
 the cache dtype for the P V tensor-core dot (HF eager also rounds its fp32 softmax to bf16
-before P V). Each split stores its partials (acc rows, then (m, l)) and takes a ticket from its
-KV head's counter; the split drawing the last ticket merges the group's partials in split order
-(max-rescaled, online over chunks of 8 splits whose loads are in flight together), rounds,
-gates and stores the heads' outputs, and resets the counter. (Until the ticket, a second
-"combine" launch did the merge: one kernel boundary more per layer.)
+before P V). Each split stores its partials (acc rows, then (m, l)) and takes a ticket. Up to
+ONE_LEVEL active splits, the split drawing the last ticket merges them all (max-rescaled, in
+split order, chunks of MERGE whose loads are in flight together); more are merged in two levels
+of tickets: the last split of each group of MERGE merges its group, and the group merger
+drawing the KV head's last ticket merges the group partials, in order. The final merger rounds,
+gates and stores the heads' outputs; each counter is reset by its last ticket's holder. (Until
+the ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -244,58 +246,122 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
         tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
 
-        # the split that finishes last for this KV head merges the group's partials (no second
-        # launch): every partial store is issued before the ticket (release), the last ticket
-        # reads them all (acquire) in split order, then resets the counter for the next launch
+        # The merge (no second launch). Up to ONE_LEVEL splits: the split drawing the last
+        # ticket merges them all, MERGE at a time (every load of a chunk in flight together).
+        # More: two levels of tickets. The splits form groups of MERGE; the split that finishes
+        # last in its group merges the group and stores the group's partial; the group merger
+        # that finishes last merges the group partials. Every partial store is issued before its
+        # ticket (release), the last ticket reads them (acquire), and each counter is reset by
+        # the program that drew its last ticket, ready for the next launch. (At 32K one merger
+        # reading the 66 splits in turn took 10.5 us; at ~20 splits the two levels' second
+        # ticket costs more than the chunks it saves.)
         tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_active - 1:
+        NG: tl.constexpr = (NUM_SPLITS + MERGE - 1) // MERGE
+        two = n_active > ONE_LEVEL
+        grp = tl.where(two, split // MERGE, 0)
+        g_lo = grp * MERGE
+        g_hi = tl.where(two, tl.minimum(g_lo + MERGE, n_active), n_active)
+        n_groups = tl.where(two, tl.cdiv(n_active, MERGE), 1)
+        cnt_kv = cnt_ptr + kvh * (NG + 1)
+        ticket = tl.atomic_add(cnt_kv + grp, 1, sem="acq_rel", scope="gpu")
+        if ticket == g_hi - g_lo - 1:
             offs_g = tl.arange(0, BLOCK_G)
             g_mask = offs_g < GROUP
             hrow = kvh * GROUP + offs_g
             gd_mask = g_mask[:, None] & d_mask[None, :]
+            # the output gates, in flight with the first chunk (used only by the final merger)
             gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :],
                            mask=gd_mask, other=0.0).to(tl.float32)
-            # MERGE splits at a time, every load of a chunk in flight together (acc rows first:
-            # they stay in flight while (m, l) arrive), max-rescaled online, in split order
-            offs_c = tl.arange(0, MERGE)
             run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
             num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
             den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-            for s0 in range(0, n_active, MERGE):
-                a_rows = ()
-                for i in tl.static_range(MERGE):
-                    # (a vector: the interpreter rejects a scalar & vector mask)
-                    ok = g_mask & ((offs_g * 0 + s0 + i) < n_active)
-                    rr = hrow.to(tl.int64) * NUM_SPLITS + s0 + i
-                    a_rows = a_rows + (tl.load(part_ptr + rr[:, None] * HD + offs_d[None, :],
-                                               mask=ok[:, None] & d_mask[None, :], other=0.0,
-                                               cache_modifier=".cg"),)
-                cg_mask = ((s0 + offs_c) < n_active)[:, None] & g_mask[None, :]
-                ml = ml_ptr + (hrow.to(tl.int64)[None, :] * NUM_SPLITS + s0 + offs_c[:, None]) * 2
-                m_c = tl.load(ml, mask=cg_mask, other=float("-inf"), cache_modifier=".cg")
-                l_c = tl.load(ml + 1, mask=cg_mask, other=0.0, cache_modifier=".cg")
-                c_max = tl.maximum(run_max, tl.max(m_c, axis=0))
-                c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)   # padded heads only
-                scale = tl.exp2(run_max - c_safe)
-                w_c = tl.exp2(m_c - c_safe[None, :])
-                den = den * scale + tl.sum(w_c * l_c, axis=0)
-                num = num * scale[:, None]
-                for i in tl.static_range(MERGE):
-                    w_i = tl.sum(tl.where(offs_c[:, None] == i, w_c, 0.0), axis=0)   # row i
-                    num += w_i[:, None] * a_rows[i]
-                run_max = c_max
-            o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-            o = o.to(act).to(tl.float32)
-            sg = tl.sigmoid(gate).to(act).to(tl.float32)
-            tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
-                     mask=gd_mask)
-            tl.atomic_xchg(cnt_ptr + kvh, 0, sem="relaxed", scope="gpu")   # ready to replay
+            for c0 in range(g_lo, g_hi, MERGE):
+                run_max, num, den = _merge_chunk(part_ptr, ml_ptr, hrow, g_mask, NUM_SPLITS, c0,
+                                                 g_hi, run_max, num, den, offs_d, d_mask, HD,
+                                                 MERGE)
+            tl.atomic_xchg(cnt_kv + grp, 0, sem="relaxed", scope="gpu")
+            last = n_groups == 1
+            if n_groups > 1:
+                # this group's partial: (num, run_max, den) in the split partials' format
+                gacc_ptr = ml_ptr + NUM_HEADS * NUM_SPLITS * 2
+                gml_ptr = gacc_ptr + NUM_HEADS * NG * HD
+                grec = hrow.to(tl.int64) * NG + grp
+                tl.store(gacc_ptr + grec[:, None] * HD + offs_d[None, :], num, mask=gd_mask)
+                tl.store(gml_ptr + grec * 2, run_max, mask=g_mask)
+                tl.store(gml_ptr + grec * 2 + 1, den, mask=g_mask)
+                tl.debug_barrier()
+                t_top = tl.atomic_add(cnt_kv + NG, 1, sem="acq_rel", scope="gpu")
+                last = t_top == n_groups - 1
+                if last:
+                    run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+                    num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                    den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                    for c0 in range(0, n_groups, MERGE_TOP):
+                        run_max, num, den = _merge_chunk(gacc_ptr, gml_ptr, hrow, g_mask, NG, c0,
+                                                         n_groups, run_max, num, den, offs_d,
+                                                         d_mask, HD, MERGE_TOP)
+                    tl.atomic_xchg(cnt_kv + NG, 0, sem="relaxed", scope="gpu")
+            if last:
+                o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                o = o.to(act).to(tl.float32)
+                sg = tl.sigmoid(gate).to(act).to(tl.float32)
+                tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
+                         mask=gd_mask)
 
 
-def partials_numel(num_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the `partials` scratch: acc[hd] and (m, l) per (head, split)."""
-    return num_heads * num_splits * (head_dim + 2)
+@triton.jit
+def _merge_chunk(acc_ptr, ml_ptr, hrow, g_mask, N_REC, lo, n_valid, run_max, num, den, offs_d,
+                 d_mask, HD: tl.constexpr, CHUNK: tl.constexpr):
+    """Folds the partial records lo .. min(lo + CHUNK, n_valid) of the heads `hrow` (acc rows
+    at acc_ptr [heads, N_REC, HD], (m, l) pairs at ml_ptr [heads, N_REC, 2]) into the running
+    max-rescaled (run_max, num, den), in record order. Every load of the chunk is issued
+    together (acc rows first: they stay in flight while (m, l) arrive); .cg: the records were
+    written by other SMs, read from L2, never a stale L1 line."""
+    offs_c = tl.arange(0, CHUNK)
+    a_rows = ()
+    for i in tl.static_range(CHUNK):
+        # (a vector: the interpreter rejects a scalar & vector mask)
+        ok = g_mask & ((hrow * 0 + lo + i) < n_valid)
+        rr = hrow.to(tl.int64) * N_REC + lo + i
+        a_rows = a_rows + (tl.load(acc_ptr + rr[:, None] * HD + offs_d[None, :],
+                                   mask=ok[:, None] & d_mask[None, :], other=0.0,
+                                   cache_modifier=".cg"),)
+    cg_mask = ((lo + offs_c) < n_valid)[:, None] & g_mask[None, :]
+    ml = ml_ptr + (hrow.to(tl.int64)[None, :] * N_REC + lo + offs_c[:, None]) * 2
+    m_c = tl.load(ml, mask=cg_mask, other=float("-inf"), cache_modifier=".cg")
+    l_c = tl.load(ml + 1, mask=cg_mask, other=0.0, cache_modifier=".cg")
+    c_max = tl.maximum(run_max, tl.max(m_c, axis=0))
+    c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)   # padded heads only
+    scale = tl.exp2(run_max - c_safe)
+    w_c = tl.exp2(m_c - c_safe[None, :])
+    den = den * scale + tl.sum(w_c * l_c, axis=0)
+    num = num * scale[:, None]
+    for i in tl.static_range(CHUNK):
+        w_i = tl.sum(tl.where(offs_c[:, None] == i, w_c, 0.0), axis=0)   # row i
+        num += w_i[:, None] * a_rows[i]
+    return c_max, num, den
+
+
+DEFAULT_MERGE = 8      # splits a merger reads at once (4 and 16 were slower on the H200)
+ONE_LEVEL_CHUNKS = 4   # up to 4 chunks of splits one merger reads them all (H200: two levels
+                       # were 3.6% faster at 4K, 65 splits, and 1.1% slower at 640, 21 splits)
+
+
+def _n_groups(num_splits: int, merge_splits: int) -> int:
+    return cdiv(int(num_splits), int(merge_splits))
+
+
+def partials_numel(num_heads: int, head_dim: int, num_splits: int,
+                   merge_splits: int = DEFAULT_MERGE) -> int:
+    """fp32 elements of the `partials` scratch: acc[hd] and (m, l) per (head, split), then the
+    same per (head, group of merge_splits splits)."""
+    return num_heads * (num_splits + _n_groups(num_splits, merge_splits)) * (head_dim + 2)
+
+
+def counters_numel(num_kv_heads: int, num_splits: int, merge_splits: int = DEFAULT_MERGE) -> int:
+    """int32 elements of the `counters` scratch: a ticket counter per (KV head, group of
+    merge_splits splits) and one per KV head for the group mergers."""
+    return num_kv_heads * (_n_groups(num_splits, merge_splits) + 1)
 
 
 def plan_num_splits(max_context: int, num_kv_heads: int, *, sm_count: int = 132,
@@ -319,16 +385,20 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      num_kv_heads: int,
                      head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
                      num_splits: int, block_n: int | None = None,
-                     merge_splits: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     merge_splits: int | None = None, one_level_splits: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
     k_cache, v_cache [Hkv, max_ctx, hd] contiguous (slot p is written), out [H*hd],
-    partials fp32 with >= partials_numel(H, hd, num_splits) elements, counters int32 with
-    >= Hkv elements, zeroed once when allocated (every launch leaves them zero). The caller guarantees
+    partials fp32 with >= partials_numel(H, hd, num_splits, merge_splits) elements, counters
+    int32 with >= counters_numel(Hkv, num_splits, merge_splits) elements, zeroed once when
+    allocated (every launch leaves them zero). The caller guarantees
     p < max_ctx (the kernel masks the cache write and reads past it, but cannot report it).
-    block_n (positions per K/V tile), merge_splits (splits the merge reads at a time, a power
-    of two) and num_warps default to sizes chosen here. Returns out."""
+    block_n (positions per K/V tile), merge_splits (the splits a merger reads at a time and a
+    merge group's size, a power of two; DEFAULT_MERGE), one_level_splits (up to this many active
+    splits one merger reads them all; more are merged in two levels; ONE_LEVEL_CHUNKS x
+    merge_splits) and num_warps default to sizes chosen here. Returns out."""
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -346,16 +416,20 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _expect(out.numel() == H * hd and out.is_contiguous(), f"out must hold {H * hd} values")
     num_splits = int(num_splits)
     _expect(num_splits >= 1, "num_splits must be >= 1")
+    merge = int(merge_splits or DEFAULT_MERGE)
+    _expect(merge >= 1 and merge & (merge - 1) == 0, "merge_splits must be a power of two")
+    need_p = partials_numel(H, hd, num_splits, merge)
     _expect(partials.dtype == torch.float32 and partials.is_contiguous()
-            and partials.numel() >= partials_numel(H, hd, num_splits),
-            f"partials must be contiguous float32 with >= {partials_numel(H, hd, num_splits)} "
-            "elements")
+            and partials.numel() >= need_p,
+            f"partials must be contiguous float32 with >= {need_p} elements")
     for t, name in ((qg, "qg"), (k, "k"), (v, "v"), (q_norm_w, "q_norm_w"),
                     (k_norm_w, "k_norm_w"), (k_cache, "k_cache"), (out, "out")):
         if t.dtype not in _DTYPES:
             raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {_DTYPES}")
-    _expect(counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= Hkv,
-            f"counters must be a contiguous int32 tensor of >= {Hkv} zeroed elements")
+    need_c = counters_numel(Hkv, num_splits, merge)
+    _expect(counters.dtype == torch.int32 and counters.is_contiguous()
+            and counters.numel() >= need_c,
+            f"counters must be a contiguous int32 tensor of >= {need_c} zeroed elements")
     for t in (k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, out, partials, counters):
         _expect(t.device == qg.device, "all tensors must be on one device")
     _expect(qg.dtype == k.dtype == out.dtype, "qg, k and out must share the activation dtype")
@@ -371,15 +445,15 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else None
     num_warps = num_warps or (4 if block_d <= 128 else 8)
     block_g = next_pow2(group)
-    # the merge reads merge_splits splits' partials at a time, all in flight together (8: one
-    # L2 round trip per 8 splits; 4 and 16 were slower in the step on the H200)
-    merge = merge_splits or 8
-    _expect(merge >= 1 and merge & (merge - 1) == 0, "merge_splits must be a power of two")
+    # the group mergers' partials: one chunk of up to 16 records at a time
+    merge_top = min(16, next_pow2(_n_groups(num_splits, merge)))
+    one_level = ONE_LEVEL_CHUNKS * merge if one_level_splits is None else int(one_level_splits)
     _attn_decode_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
         float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
+        MERGE_TOP=merge_top, ONE_LEVEL=one_level,
         DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
         **_gemv._launch_kw(qg.device))
     return out

@@ -293,31 +293,3 @@ def test_opening_the_timing_panel_captures_the_timed_step_at_once(ckpt):
     assert tri._timed_graph is not None
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=5).token_ids
     assert a == b and tri.kernel_timings()
-
-
-def test_token_readback_sets_are_recycled_not_freed(monkeypatch):
-    """A backend's readback set (side stream, pinned buffer, events) goes back to a pool when
-    the backend is collected, with no CUDA call, and the next backend on that device takes it;
-    live backends never share one."""
-    import gc
-    from types import SimpleNamespace
-
-    from tritonchat.engine import triton_backend as tb
-    made = []
-    fake_cuda = SimpleNamespace(Stream=lambda dev: made.append("stream") or object(),
-                                Event=lambda: object(), current_device=lambda: 0)
-    monkeypatch.setattr(tb.torch, "cuda", fake_cuda)
-    monkeypatch.setattr(tb.torch, "zeros", lambda *a, **k: ("pinned", k.get("pin_memory")))
-    monkeypatch.setattr(tb, "_READBACK_POOL", [])
-
-    class _Owner:
-        device = torch.device("cuda", 0)
-
-    a, b = _Owner(), _Owner()
-    ra, rb = tb._token_readback(a), tb._token_readback(b)
-    assert ra is not rb and made == ["stream", "stream"] and ra.host == ("pinned", True)
-    del a
-    gc.collect()
-    assert tb._READBACK_POOL == [ra]
-    c = _Owner()
-    assert tb._token_readback(c) is ra and tb._READBACK_POOL == [] and len(made) == 2

@@ -4,8 +4,8 @@ of them shows up."""
 import pytest
 import torch
 
-from tritonchat.kernels.attention_decode import (attention_decode, partials_numel,
-                                                 plan_num_splits)
+from tritonchat.kernels.attention_decode import (attention_decode, counters_numel,
+                                                 partials_numel, plan_num_splits)
 from tritonchat.kernels.reference import attention_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,17 +42,18 @@ def _token(H, Hkv, hd, dtype, g):
 
 
 def _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits, dtype, block_n=BLOCK_N,
-          theta=THETA, merge_splits=None):
+          theta=THETA, merge_splits=None, one_level_splits=None):
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=theta,
               eps=EPS)
     want, want_kc, want_vc = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
     out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
-    partials = torch.full((partials_numel(H, hd, splits),), float("nan"), device=DEVICE)
-    counters = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
+    merge = merge_splits or 8
+    partials = torch.full((partials_numel(H, hd, splits, merge),), float("nan"), device=DEVICE)
+    counters = torch.zeros(counters_numel(Hkv, splits, merge), device=DEVICE, dtype=torch.int32)
     attention_decode(qg, k, v, qn, kn, kc, vc, torch.tensor([pos], device=DEVICE,
                                                             dtype=torch.int32),
                      out, partials, counters, num_splits=splits, block_n=block_n,
-                     merge_splits=merge_splits, **kw)
+                     merge_splits=merge_splits, one_level_splits=one_level_splits, **kw)
     assert not counters.any()                  # left at zero for the next launch
     return out, want, want_kc, want_vc
 
@@ -95,16 +96,30 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
-@pytest.mark.parametrize("merge_splits", [1, 2, 4])
+@pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
+@pytest.mark.parametrize("merge_splits", [1, 2, 4, 8])
 @pytest.mark.parametrize("pos", [16 * 7 - 1, 16 * 7, 16 * 7 + 1])
-def test_attention_merge_over_chunks_of_splits(pos, merge_splits):
-    # 8 splits of 16 positions: 7 or 8 of them hold positions, merged 1, 2 or 4 at a time (the
-    # online rescaling across chunks, and a last chunk only partly active)
+def test_attention_merge_over_groups_of_splits(pos, merge_splits, one_level):
+    # 8 splits of 16 positions: 7 or 8 of them hold positions, merged 1, 2, 4 or 8 at a time
+    # by one merger (default: up to 4 chunks; the online rescaling across chunks, a last chunk
+    # only partly active), or in two levels (groups of that size: group partials rescaled
+    # across groups, a last group of one split; 8: one group, merged straight into the output)
     H, Hkv, hd, rot, dtype = 6, 2, 40, 24, torch.float32
     qn, kn, kc, vc, g = _setup(H, Hkv, hd, 136, pos, dtype, seed=pos + merge_splits)
     qg, k, v = _token(H, Hkv, hd, dtype, g)
     out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 8, dtype,
-                                        merge_splits=merge_splits)
+                                        merge_splits=merge_splits, one_level_splits=one_level)
+    _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+
+
+def test_attention_merge_of_more_groups_than_one_chunk():
+    # 40 splits of 16 positions in groups of 2 (past the default one-level 4 x 2): 20 group
+    # partials, merged 16 then 4 (the group level's own chunk loop)
+    H, Hkv, hd, rot, dtype, pos = 4, 2, 24, 8, torch.float32, 16 * 40 - 3
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 16 * 40, pos, dtype, seed=40)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 40,
+                                        dtype, merge_splits=2)
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
@@ -158,7 +173,7 @@ def test_attention_validates():
     out = torch.empty(H * hd, device=DEVICE)
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=8, rope_theta=THETA,
               eps=EPS, num_splits=2)
-    cnt = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
+    cnt = torch.zeros(counters_numel(Hkv, 2), device=DEVICE, dtype=torch.int32)
     with pytest.raises(ValueError):       # partials too small
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, torch.empty(10, device=DEVICE), cnt,
                          **kw)
@@ -172,6 +187,9 @@ def test_attention_validates():
     with pytest.raises(ValueError):
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt[:1], **kw)
     assert plan_num_splits(32768, 2) == 66 and plan_num_splits(40, 2) == 2
+    # 66 splits in groups of 8: 9 group records per head, 9 + 1 counters per KV head
+    assert partials_numel(8, 256, 66) == 8 * (66 + 9) * 258
+    assert counters_numel(2, 66) == 20 and counters_numel(2, 5) == 4
 
 
 # ------------------------------------------------------------------------------------------
@@ -203,7 +221,7 @@ def test_gpu_attention_cuda_graph_replay():
     pos = torch.tensor([5], device=DEVICE, dtype=torch.int32)
     out = torch.empty(H * hd, device=DEVICE, dtype=dtype)
     part = torch.empty(partials_numel(H, hd, splits), device=DEVICE)
-    cnt = torch.zeros(Hkv, device=DEVICE, dtype=torch.int32)
+    cnt = torch.zeros(counters_numel(Hkv, splits), device=DEVICE, dtype=torch.int32)
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=1e7,
               eps=EPS, num_splits=splits)
     attention_decode(qg, k, v, qn, kn, kc.clone(), vc.clone(), pos, out, part, cnt, **kw)  # warm-up
