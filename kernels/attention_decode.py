@@ -146,7 +146,8 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
-                        MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -343,8 +344,8 @@ def _merge_chunk(acc_ptr, ml_ptr, hrow, g_mask, N_REC, lo, n_valid, run_max, num
 
 
 DEFAULT_MERGE = 8      # splits a merger reads at once (4 and 16 were slower on the H200)
-ONE_LEVEL_CHUNKS = 4   # up to 4 chunks of splits one merger reads them all (H200: two levels
-                       # were 3.6% faster at 4K, 65 splits, and 1.1% slower at 640, 21 splits)
+ONE_LEVEL_CHUNKS = 4   # up to 4 chunks of splits one merger reads them all (H200 step: two
+                       # levels 3.6% faster at 4K, 65 splits; 2.8% slower at 640, 21 splits)
 
 
 def _n_groups(num_splits: int, merge_splits: int) -> int:
@@ -393,8 +394,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache [Hkv, max_ctx, hd] contiguous (slot p is written), out [H*hd],
     partials fp32 with >= partials_numel(H, hd, num_splits, merge_splits) elements, counters
     int32 with >= counters_numel(Hkv, num_splits, merge_splits) elements, zeroed once when
-    allocated (every launch leaves them zero). The caller guarantees
-    p < max_ctx (the kernel masks the cache write and reads past it, but cannot report it).
+    allocated (every launch leaves them zero). The caller guarantees p < max_ctx (the kernel
+    masks the cache write and reads past it, but cannot report it).
     block_n (positions per K/V tile), merge_splits (the splits a merger reads at a time and a
     merge group's size, a power of two; DEFAULT_MERGE), one_level_splits (up to this many active
     splits one merger reads them all; more are merged in two levels; ONE_LEVEL_CHUNKS x
