@@ -239,16 +239,22 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
     v = tl.load(proj_ptr + 2 * key_dim + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     b = tl.load(proj_ptr + ba_off + h).to(tl.float32)
     a = tl.load(proj_ptr + ba_off + HV + h).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
+    # Every reduction reads only the loaded values, so they are independent (one round of
+    # cross-warp reductions instead of three in a row: the l2 norms, then S^T k, then S^T q of
+    # the updated state). With g = exp(g_log), rk = 1/|k|, rq = scale/|q| (scalars):
+    #   S_new = g S + (rk k) delta^T,  delta = beta (v - g rk S^T k)
+    #   o = S_new^T (rq q) = g rq S^T q + delta (rk rq k.q)
+    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
+    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
+    qk = tl.sum(q * k, axis=0)
+    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
+    sq = tl.sum(S * q[:, None], axis=0)
     beta = tl.sigmoid(b).to(act).to(tl.float32)
-    g_log = -tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD)
+    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD))
 
-    S = S * tl.exp(g_log)
-    pred = tl.sum(S * k[:, None], axis=0)                 # S^T k
-    delta = beta * (v - pred)
-    S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)                    # read with the updated state
+    delta = beta * (v - (g * rk) * sk)
+    S = S * g + (k * rk)[:, None] * delta[None, :]
+    o = (g * rq) * sq + delta * (rk * rq * qk)
     tl.store(s_ptrs, S, mask=s_mask)
     tl.store(o_ptr + h * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 
