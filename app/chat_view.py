@@ -12,7 +12,7 @@ import time
 
 from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QTextOption
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
+from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
                                QScrollArea, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout,
                                QWidget)
 
@@ -525,6 +525,8 @@ class WelcomeWidget(QWidget):
          "Give me five names for a small open-source desktop chat app, with one line on each."),
     )
 
+    CARD_WIDTH = 260
+
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         layout = QVBoxLayout(self)
@@ -542,21 +544,29 @@ class WelcomeWidget(QWidget):
         layout.addSpacing(6)
         layout.addWidget(self.subtitle)
         layout.addSpacing(22)
-        grid = QHBoxLayout()
+        # the suggestions as two rows of two cards: the chat column stays narrow enough to
+        # leave the window room for the timing panel
+        cards = QWidget(self)
+        cards.setMaximumWidth(2 * self.CARD_WIDTH + 10)
+        grid = QGridLayout(cards)
+        grid.setContentsMargins(0, 0, 0, 0)
         grid.setSpacing(10)
-        grid.addStretch(1)
         self.buttons: list[QPushButton] = []
-        for head, sub, prompt in self.SUGGESTIONS:
-            b = QPushButton(f"{head}\n{sub}", self)
+        for i, (head, sub, prompt) in enumerate(self.SUGGESTIONS):
+            b = QPushButton(f"{head}\n{sub}", cards)
             b.setToolTip(prompt)
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.setMinimumSize(150, 60)
+            b.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
             b.setStyleSheet("text-align: left; padding: 8px 10px;")
             b.clicked.connect(lambda _=False, p=prompt: self.suggestionChosen.emit(p))
-            grid.addWidget(b)
+            grid.addWidget(b, i // 2, i % 2)
             self.buttons.append(b)
-        grid.addStretch(1)
-        layout.addLayout(grid)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(cards, 4)
+        row.addStretch(1)
+        layout.addLayout(row)
         layout.addStretch(3)
 
     def set_model_text(self, text: str) -> None:

@@ -208,6 +208,7 @@ class MainWindow(QMainWindow):
         toggle.toggled.connect(self.timing_button.setChecked)
         self.timing_button.clicked.connect(lambda on: self.timing.setVisible(on))
         self._timing_sent: bool | None = None
+        self._timing_sized = False              # the panel opens once at its preferred width
 
         self.engine_label = QLabel("Starting\u2026", self)
         self.engine_label.setObjectName("MutedLabel")
@@ -699,6 +700,12 @@ class MainWindow(QMainWindow):
 
     # ================================================================== timing panel
     def _on_timing_toggled(self, visible: bool) -> None:
+        if (visible and not self._timing_sized and not self.timing.isFloating()
+                and self.dockWidgetArea(self.timing) == Qt.DockWidgetArea.RightDockWidgetArea):
+            # wide enough for every column of the kernel table (later the user's width stays)
+            self._timing_sized = True
+            self.resizeDocks([self.timing], [self.timing.preferred_width()],
+                             Qt.Orientation.Horizontal)
         if not self.loaded or self._closing:
             return
         if self._timing_sent != visible:

@@ -17,6 +17,9 @@ from PySide6.QtWidgets import (QAbstractItemView, QDockWidget, QHeaderView, QLab
 from .theme import Colors
 
 MAX_POINTS = 4000
+MAX_BARS = 12
+BAR_LABEL_CHARS = 24
+WIDEST_NAME = "gemv_gdn_out_proj_gatednorm"     # the decode step's longest kernel name
 COLUMNS = ("Kernel", "Calls", "\u00b5s/tok", "Share", "GB/s", "Roofline")
 COLUMN_TIPS = ("The kernel (a fused launch: its prologue and epilogue in the name)",
                "Launches per generated token", "GPU microseconds per generated token",
@@ -31,6 +34,11 @@ def format_bytes(n) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}" if unit == "GiB" and n < 10 * size else f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def _short(name: str) -> str:
+    """A bar label: the kernel name, elided past BAR_LABEL_CHARS (the table has it whole)."""
+    return name if len(name) <= BAR_LABEL_CHARS else name[:BAR_LABEL_CHARS - 1] + "\u2026"
 
 
 def _fmt(value, spec: str) -> str:
@@ -79,11 +87,14 @@ class TimingPanel(QDockWidget):
         for i, tip in enumerate(COLUMN_TIPS):
             self.table.horizontalHeaderItem(i).setToolTip(tip)
         header = self.table.horizontalHeader()
-        # the kernel name is what people read: it keeps its full width (the numbers are short;
-        # a narrow panel scrolls sideways rather than eliding the names)
-        for i in range(len(COLUMNS) - 1):
-            header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.ResizeMode.Stretch)
+        # every column as wide as its contents: the kernel name is what people read, so a panel
+        # narrower than the table scrolls sideways rather than eliding names or clipping numbers
+        # (the panel opens at preferred_width(), which shows them all)
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(False)
+        rows = self.table.verticalHeader()
+        rows.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        rows.setDefaultSectionSize(self.table.fontMetrics().height() + 8)
         self.table.setToolTip("GPU time per generated token, by kernel: share of the step and "
                               "achieved memory bandwidth against the measured HBM roofline")
 
@@ -208,11 +219,28 @@ class TimingPanel(QDockWidget):
         if self.isVisible():
             self._draw_bars()
 
+    def preferred_width(self) -> int:
+        """A dock width that shows every column of the kernel table without scrolling (the
+        decode step's longest kernel name stands in while no timings came yet)."""
+        header = self.table.horizontalHeader()
+        last = len(COLUMNS) - 1
+        if self.kernels:                     # the sections are as wide as their contents
+            cols = header.length()
+        else:
+            fm = self.table.fontMetrics()
+            cell = 12                                               # a cell's margins
+            cols = max(header.sectionSizeHint(0), fm.horizontalAdvance(WIDEST_NAME) + cell)
+            cols += sum(max(header.sectionSizeHint(i), fm.horizontalAdvance("3,743") + cell)
+                        for i in range(1, last + 1))
+        margins = self.widget().layout().contentsMargins()
+        return (cols + self.table.verticalScrollBar().sizeHint().width()
+                + 2 * self.table.frameWidth() + margins.left() + margins.right() + 4)
+
     def _draw_bars(self) -> None:
         if self.bar_item is not None:
             self.bars.removeItem(self.bar_item)
             self.bar_item = None
-        rows = self.kernels[:12]
+        rows = self.kernels[:MAX_BARS]
         if not rows:
             return
         ys = list(range(len(rows)))
@@ -221,7 +249,13 @@ class TimingPanel(QDockWidget):
                                         brush=QColor(self.colors.plot_line), pen=pg.mkPen(None))
         self.bars.addItem(self.bar_item)
         axis = self.bars.getAxis("left")
-        axis.setTicks([[(y, str(r.get("name", "?"))[:24]) for y, r in zip(ys, rows)]])
+        labels = [_short(str(r.get("name", "?"))) for r in rows]
+        axis.setTicks([list(zip(ys, labels))])
+        # a row per label (pyqtgraph drops tick labels that would overlap) and the axis as wide
+        # as the longest one
+        fm = self.bars.fontMetrics()
+        axis.setWidth(max(fm.horizontalAdvance(t) for t in labels) + 12)
+        self.bars.setMinimumHeight(max(120, len(rows) * (fm.height() + 4) + 50))
         self.bars.getViewBox().invertY(True)
 
     def _redraw_curve(self) -> None:

@@ -39,6 +39,14 @@ def test_welcome_when_empty(view):
     assert view.welcome.isVisible() and view.messages == []
 
 
+def test_welcome_cards_leave_room_for_the_timing_panel(view):
+    # two rows of two cards: the empty chat does not force a wide window (four in a row
+    # needed ~710 px, which left the timing panel ~260 px of a 1,180 px window)
+    assert view.welcome.minimumSizeHint().width() <= 480
+    b = view.welcome.buttons
+    assert view.welcome.isVisible() and b[0].y() == b[1].y() < b[2].y() == b[3].y()
+
+
 def test_suggestion_fills_nothing_but_emits(view, qtbot):
     with qtbot.waitSignal(view.suggestionChosen) as blocker:
         view.welcome.buttons[1].click()

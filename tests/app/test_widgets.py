@@ -239,6 +239,54 @@ def test_kernel_names_keep_their_width_in_a_narrow_panel(panel, qtbot):
     assert all(panel.table.horizontalHeaderItem(i).toolTip() for i in range(len(COLUMNS)))
 
 
+DECODE_KERNELS = [   # the decode step's call sites, as the Triton backend reports them
+    {"name": n, "launches_per_token": c, "us_per_token": us, "share": us / 1054.0, "gb_s": bw}
+    for n, c, us, bw in (("gemv_mlp_gate_up_norm_silu", 24, 195.2, 1806.0),
+                         ("gemv_gdn_in_proj_norm_conv", 18, 168.7, 1800.0),
+                         ("gemv_mlp_down", 24, 163.7, 1077.0),
+                         ("lm_head_norm_argmax", 1, 135.9, 3743.0),
+                         ("gemv_gdn_out_proj_gatednorm", 18, 124.2, 609.0),
+                         ("gdn_decode_core", 18, 91.9, 411.0),
+                         ("attention_decode", 6, 68.4, 0.2),
+                         ("gemv_attn_qkv_norm", 6, 44.3, 1421.0),
+                         ("gemv_attn_o_proj", 6, 35.1, 717.0),
+                         ("sample", 1, 10.0, 1.0), ("embedding_gather", 1, 4.7, 1.0),
+                         ("update_counts", 1, 3.0, 1.0))]
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_panel_at_its_preferred_width_shows_every_column(panel, qtbot, with_rows):
+    # before any timings the width is estimated from the longest decode kernel name; after,
+    # from the table itself: either way the whole table fits, no sideways scrolling
+    panel.set_timings({"kernels": None, "roofline": {"gb_s": 4100.0}, "memory": {}})
+    before = panel.preferred_width()
+    if with_rows:
+        panel.set_kernels(DECODE_KERNELS)
+    panel.resize(before, 800)
+    qtbot.waitUntil(lambda: panel.width() == before)
+    panel.resize(panel.preferred_width(), 800)
+    t = panel.table
+    qtbot.waitUntil(lambda: t.viewport().width() > 0)
+    need = sum(t.columnWidth(i) for i in range(len(COLUMNS)))
+    assert need <= t.viewport().width()
+    qtbot.waitUntil(lambda: not t.horizontalScrollBar().isVisible(), timeout=3000)
+    if with_rows:
+        assert t.item(0, 5).text() == "44%"
+
+
+def test_bar_labels_get_a_row_each(panel, qtbot):
+    # pyqtgraph drops tick labels that overlap: the bar chart grows a row per kernel and its
+    # axis fits the longest (elided) name
+    panel.set_kernels(DECODE_KERNELS)
+    fm = panel.bars.fontMetrics()
+    assert panel.bars.minimumHeight() >= 12 * fm.height()
+    ticks = panel.bars.getAxis("left")._tickLevels[0]
+    labels = [text for _, text in ticks]
+    assert len(labels) == 12 and labels[0] == "gemv_mlp_gate_up_norm_s\u2026"
+    assert "gdn_decode_core" in labels and all(len(x) <= 24 for x in labels)
+    assert panel.bars.getAxis("left").width() >= max(fm.horizontalAdvance(x) for x in labels)
+
+
 def test_final_stats_replace_the_last_live_point(panel):
     panel.begin_generation()
     panel.add_stats({"new_tokens": 10, "decode_tok_s": 100.0})
