@@ -12,9 +12,9 @@ import time
 
 from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QTextOption
-from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
-                               QScrollArea, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
+                               QPushButton, QScrollArea, QSizePolicy, QTextBrowser, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from .markdown import COPY_SCHEME, RenderStyle, render_markdown, render_plain
 
@@ -525,7 +525,7 @@ class WelcomeWidget(QWidget):
          "Give me five names for a small open-source desktop chat app, with one line on each."),
     )
 
-    CARD_WIDTH = 260
+    CARD_MAX_WIDTH = 260
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -547,7 +547,7 @@ class WelcomeWidget(QWidget):
         # the suggestions as two rows of two cards: the chat column stays narrow enough to
         # leave the window room for the timing panel
         cards = QWidget(self)
-        cards.setMaximumWidth(2 * self.CARD_WIDTH + 10)
+        cards.setMaximumWidth(2 * self.CARD_MAX_WIDTH + 10)
         grid = QGridLayout(cards)
         grid.setContentsMargins(0, 0, 0, 0)
         grid.setSpacing(10)

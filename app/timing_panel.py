@@ -223,7 +223,6 @@ class TimingPanel(QDockWidget):
         """A dock width that shows every column of the kernel table without scrolling (the
         decode step's longest kernel name stands in while no timings came yet)."""
         header = self.table.horizontalHeader()
-        last = len(COLUMNS) - 1
         if self.kernels:                     # the sections are as wide as their contents
             cols = header.length()
         else:
@@ -231,7 +230,7 @@ class TimingPanel(QDockWidget):
             cell = 12                                               # a cell's margins
             cols = max(header.sectionSizeHint(0), fm.horizontalAdvance(WIDEST_NAME) + cell)
             cols += sum(max(header.sectionSizeHint(i), fm.horizontalAdvance("3,743") + cell)
-                        for i in range(1, last + 1))
+                        for i in range(1, len(COLUMNS)))
         margins = self.widget().layout().contentsMargins()
         return (cols + self.table.verticalScrollBar().sizeHint().width()
                 + 2 * self.table.frameWidth() + margins.left() + margins.right() + 4)
