@@ -53,6 +53,26 @@ class InputBox(QPlainTextEdit):
         self.setFixedHeight(int(lines * line + 2 * doc_margin + margins.top() + margins.bottom()) + 2)
 
 
+class ElidedLabel(QLabel):
+    """A one-line label that ends in an ellipsis when it does not fit (never cut mid-letter);
+    the whole text stays in its tooltip."""
+
+    def __init__(self, text: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.full_text = text
+        self.setToolTip(text)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self._elide()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        self.setText(self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight,
+                                                   max(0, self.width())))
+
+
 class ChatInput(QWidget):
     """Input frame + Send/Stop + hint + context meter."""
 
@@ -80,9 +100,9 @@ class ChatInput(QWidget):
         fl.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
         fl.addWidget(self.stop_button, 0, Qt.AlignmentFlag.AlignBottom)
 
-        self.hint = QLabel("Enter to send \u00b7 Shift+Enter for a new line \u00b7 Esc to stop", self)
+        self.hint = ElidedLabel("Enter to send \u00b7 Shift+Enter for a new line \u00b7 Esc to stop",
+                                self)
         self.hint.setObjectName("MutedLabel")
-        self.hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.meter = QProgressBar(self)
         self.meter.setObjectName("ContextMeter")
         self.meter.setTextVisible(False)

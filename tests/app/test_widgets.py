@@ -99,6 +99,18 @@ def conv(i, title, age=0.0):
     return SimpleNamespace(id=i, title=title, created_at=time.time() - age, updated_at=time.time() - age)
 
 
+def test_key_hint_ends_in_an_ellipsis_when_narrow(chat_input, qtbot):
+    hint = chat_input.hint
+    full = "Enter to send \u00b7 Shift+Enter for a new line \u00b7 Esc to stop"
+    chat_input.resize(900, 200)
+    qtbot.waitUntil(lambda: hint.text() == full)
+    chat_input.resize(360, 200)
+    qtbot.waitUntil(lambda: hint.text() != full)
+    assert hint.text().endswith("\u2026") and full.startswith(hint.text()[:-1])
+    assert hint.fontMetrics().horizontalAdvance(hint.text()) <= hint.width()
+    assert hint.toolTip() == full
+
+
 def test_age_text():
     now = 1_000_000.0
     assert age_text(now - 5, now) == "just now"
