@@ -108,7 +108,7 @@ class TimingPanel(QDockWidget):
         self.memory = QLabel(body)
         self.memory.setObjectName("MutedLabel")
 
-        split = QSplitter(Qt.Orientation.Vertical, body)
+        self.split = split = QSplitter(Qt.Orientation.Vertical, body)
         split.addWidget(self.plot)
         split.addWidget(self.table)
         split.addWidget(self.bars)
@@ -254,7 +254,15 @@ class TimingPanel(QDockWidget):
         # as the longest one
         fm = self.bars.fontMetrics()
         axis.setWidth(max(fm.horizontalAdvance(t) for t in labels) + 12)
-        self.bars.setMinimumHeight(max(120, len(rows) * (fm.height() + 4) + 50))
+        need = max(120, len(rows) * (fm.height() + 4) + 50)
+        self.bars.setMinimumHeight(need)
+        # the room comes from the table above (some Qt versions leave a laid-out splitter's
+        # sizes as they were, pushing the chart's lower rows out of sight)
+        sizes = self.split.sizes()
+        if sum(sizes) and sizes[2] < need:
+            sizes[1] = max(sizes[1] - (need - sizes[2]), 0)
+            sizes[2] = need
+            self.split.setSizes(sizes)
         self.bars.getViewBox().invertY(True)
 
     def _redraw_curve(self) -> None:

@@ -61,6 +61,10 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     names = [w.timing.table.item(r, 0).text() for r in range(w.timing.table.rowCount())]
     assert any("gemv" in n for n in names) and any("lm_head" in n for n in names)
     assert w.timing.xs and all(y > 0 for y in w.timing.ys)
+    # the bar chart grows a row per kernel, all of it inside the panel
+    bars, split = w.timing.bars, w.timing.split
+    qtbot.waitUntil(lambda: bars.height() >= bars.minimumHeight() > 120, timeout=5000)
+    qtbot.waitUntil(lambda: bars.geometry().bottom() < split.height(), timeout=5000)
     if shots:
         w.grab().save(os.path.join(shots, "gpu_window.png"))
 

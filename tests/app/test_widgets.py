@@ -289,9 +289,15 @@ def test_panel_at_its_preferred_width_shows_every_column(panel, qtbot, with_rows
 def test_bar_labels_get_a_row_each(panel, qtbot):
     # pyqtgraph drops tick labels that overlap: the bar chart grows a row per kernel and its
     # axis fits the longest (elided) name
-    panel.set_kernels(DECODE_KERNELS)
+    panel.resize(480, 820)
+    panel.set_kernels(DECODE_KERNELS[:3])        # a first, short table: the bars stay small
+    qtbot.waitUntil(lambda: panel.bars.height() > 0)
+    panel.set_kernels(DECODE_KERNELS)            # the table gives the chart its room
     fm = panel.bars.fontMetrics()
     assert panel.bars.minimumHeight() >= 12 * fm.height()
+    qtbot.waitUntil(lambda: panel.bars.height() >= panel.bars.minimumHeight())
+    assert panel.split.sizes()[2] >= panel.bars.minimumHeight()
+    assert panel.bars.geometry().bottom() < panel.split.height()
     ticks = panel.bars.getAxis("left")._tickLevels[0]
     labels = [text for _, text in ticks]
     assert len(labels) == 12 and labels[0] == "gemv_mlp_gate_up_norm_s\u2026"
