@@ -20,6 +20,7 @@ MAX_POINTS = 4000
 MAX_BARS = 12
 BAR_LABEL_CHARS = 24
 WIDEST_NAME = "gemv_gdn_out_proj_gatednorm"     # the decode step's longest kernel name
+WIDEST_NUMBER = "3,743"                          # a number cell as wide as the LM head's GB/s
 COLUMNS = ("Kernel", "Calls", "\u00b5s/tok", "Share", "GB/s", "Roofline")
 COLUMN_TIPS = ("The kernel (a fused launch: its prologue and epilogue in the name)",
                "Launches per generated token", "GPU microseconds per generated token",
@@ -229,7 +230,7 @@ class TimingPanel(QDockWidget):
             fm = self.table.fontMetrics()
             cell = 12                                               # a cell's margins
             cols = max(header.sectionSizeHint(0), fm.horizontalAdvance(WIDEST_NAME) + cell)
-            cols += sum(max(header.sectionSizeHint(i), fm.horizontalAdvance("3,743") + cell)
+            cols += sum(max(header.sectionSizeHint(i), fm.horizontalAdvance(WIDEST_NUMBER) + cell)
                         for i in range(1, len(COLUMNS)))
         margins = self.widget().layout().contentsMargins()
         return (cols + self.table.verticalScrollBar().sizeHint().width()
