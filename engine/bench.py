@@ -96,6 +96,9 @@ def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]
     return rows
 
 
+SWEEP_POSITIONS = (2048, 8192)     # decode speed at these filled contexts too (--compare)
+
+
 def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -> dict:
     """Decode speed with `position` tokens already in the KV cache (filled with random values:
     speed does not depend on them) against that position's own roofline (KV bytes included)."""
@@ -326,6 +329,9 @@ def run_bench(args) -> int:
         if be.name == "triton":
             pos = context - new_tokens - 64
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
+            # the contexts a chat spends most of its time in, each against its own roofline
+            report["context_sweep"] = [long_context_run(be, cfg, p, min(new_tokens, 128), hbm)
+                                       for p in SWEEP_POSITIONS if p < pos]
             be.reset()
         graphed = getattr(be, "prefill_graph", False)
         be.prefill_graph = False                 # the plain launches first, then the graphs
@@ -378,7 +384,7 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("long_context", "prefill", "transformers"):
+    for key in ("long_context", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
 

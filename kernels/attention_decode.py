@@ -379,6 +379,22 @@ def _expect(cond: bool, msg: str) -> None:
         raise ValueError("attention_decode: " + msg)
 
 
+def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """The decode table's launch plan for this attention shape (block_n, num_warps, num_stages;
+    any may be absent): measured in the captured step on the device, see decode_tuning.json.
+    {} when the table has no entry (the sizes chosen in attention_decode apply)."""
+    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    plan = {}
+    for k in ("block_n", "num_warps", "num_stages"):
+        try:
+            v = int(e[k]) if e is not None and k in e else 0
+        except (TypeError, ValueError):
+            v = 0
+        if v > 0 and (k != "block_n" or v & (v - 1) == 0):
+            plan[k] = v
+    return plan
+
+
 def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
@@ -387,7 +403,7 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
                      num_splits: int, block_n: int | None = None,
                      merge_splits: int | None = None, one_level_splits: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
@@ -399,7 +415,9 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_n (positions per K/V tile), merge_splits (the splits a merger reads at a time and a
     merge group's size, a power of two; DEFAULT_MERGE), one_level_splits (up to this many active
     splits one merger reads them all; more are merged in two levels; ONE_LEVEL_CHUNKS x
-    merge_splits) and num_warps default to sizes chosen here. Returns out."""
+    merge_splits), num_warps and num_stages (the software pipelining of the K/V tile loop)
+    default to the decode table's plan for the shape (attention_plan), else to sizes chosen
+    here. Returns out."""
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -438,13 +456,15 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = H // Hkv
     block_d = max(16, next_pow2(hd))
     block_h = max(16, next_pow2(group))          # tl.dot needs M >= 16
+    plan = attention_plan(H, Hkv, hd)
     if block_n is None:
-        block_n = max(16, min(64, 8192 // block_d))
+        block_n = plan.get("block_n") or max(16, min(64, 8192 // block_d))
+    num_stages = num_stages or plan.get("num_stages")
     max_ctx = k_cache.shape[1]
     freq_log2_step = -2.0 * math.log2(float(rope_theta)) / rot
     # fp32 caches get exact fp32 dots (tests); bf16/fp16 use the default tensor-core path
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else None
-    num_warps = num_warps or (4 if block_d <= 128 else 8)
+    num_warps = num_warps or plan.get("num_warps") or (4 if block_d <= 128 else 8)
     block_g = next_pow2(group)
     # the group mergers' partials: one chunk of up to 16 records at a time
     merge_top = min(16, next_pow2(_n_groups(num_splits, merge)))
@@ -456,5 +476,5 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
         MERGE_TOP=merge_top, ONE_LEVEL=one_level,
         DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
-        **_gemv._launch_kw(qg.device))
+        **({"num_stages": int(num_stages)} if num_stages else {}), **_gemv._launch_kw(qg.device))
     return out

@@ -192,6 +192,24 @@ def test_attention_validates():
     assert counters_numel(2, 66) == 20 and counters_numel(2, 5) == 4
 
 
+@pytest.mark.parametrize("pos", [0, 63, 64, 65, 200])
+def test_attention_model_shape_with_the_table_plan(pos):
+    """The 0.8B shape (8 q heads, 2 kv heads, head 256, rotary 64) with block_n, num_warps and
+    num_stages left to the decode table's plan (64-position tiles, one pipeline stage): the
+    sizes the GPU runs, against the reference; 63/64/65 straddle a tile."""
+    from tritonchat.kernels.attention_decode import attention_plan
+    H, Hkv, hd, rot, dtype = 8, 2, 256, 64, torch.float32
+    assert attention_plan(H, Hkv, hd).get("block_n") == 64
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 256, pos, dtype, seed=pos + 3)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, 3,
+                                        dtype, block_n=None)
+    # fp32, but RoPE angles up to 200 rad at head 256: a 1-ulp angle difference (the kernel's
+    # exp2 inverse frequencies vs the reference's pow) moves a rotated value by ~1e-5
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kc[:, pos], want_kc[:, pos], rtol=1e-4, atol=1e-4)
+    assert torch.equal(vc[:, pos], want_vc[:, pos])
+
 # ------------------------------------------------------------------------------------------
 # GPU twins: Qwen3.5-0.8B attention (8 q heads, 2 kv heads, head 256, rotary 64, theta 1e7)
 # ------------------------------------------------------------------------------------------

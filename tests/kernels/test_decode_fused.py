@@ -651,7 +651,10 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
                      '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
                      ' "num_warps": 8},'
                      '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
-                     ' "block_k": 1024, "num_warps": 4, "persistent": 2}]}')
+                     ' "block_k": 1024, "num_warps": 4, "persistent": 2},'
+                     '{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8,'
+                     ' "num_stages": 1},'
+                     '{"key": "attention:4x1x64", "block_n": 48, "num_stages": "x"}]}')
     monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
     gemv_mod.decode_table.cache_clear()
     try:
@@ -666,6 +669,10 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
         assert gdn_mod._core_plan(16, 128, 128) == (32, 2)
         assert samp_mod.lm_head_plan(248320, 1024, True) == dict(block_n=16, block_k=256,
                                                                 num_warps=8)
+        from tritonchat.kernels.attention_decode import attention_plan
+        assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+        assert attention_plan(4, 1, 64) == {}         # not a power of two, not a number
+        assert attention_plan(4, 2, 64) == {}         # no entry
         table.write_text("{not json")
         gemv_mod.decode_table.cache_clear()
         assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == \
