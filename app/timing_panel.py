@@ -51,6 +51,20 @@ def _fmt(value, spec: str) -> str:
         return str(value)
 
 
+def rate_tick(value: float) -> str:
+    """A tok/s tick label of at most four characters (15k, 2500, 0.5), so the axis keeps its
+    width and its title clear of the numbers whatever the rate."""
+    v = float(value)
+    if abs(v) >= 10_000:
+        return f"{v / 1000:.0f}k"
+    return f"{v:g}"
+
+
+class _RateAxis(pg.AxisItem):
+    def tickStrings(self, values, scale, spacing):     # noqa: N802  (pyqtgraph's name)
+        return [rate_tick(v * scale) for v in values]
+
+
 class TimingPanel(QDockWidget):
     def __init__(self, colors: Colors, parent: QWidget | None = None):
         super().__init__("Timing", parent)
@@ -68,7 +82,7 @@ class TimingPanel(QDockWidget):
         self.note.setWordWrap(True)
         self.note.hide()
 
-        self.plot = pg.PlotWidget(body)
+        self.plot = pg.PlotWidget(body, axisItems={"left": _RateAxis("left")})
         self.plot.setMinimumHeight(140)
         self.plot.setLabel("left", "decode tok/s")
         self.plot.setLabel("bottom", "tokens generated")
