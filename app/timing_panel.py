@@ -52,11 +52,11 @@ def _fmt(value, spec: str) -> str:
 
 
 def rate_tick(value: float) -> str:
-    """A tok/s tick label of at most four characters (15k, 2500, 0.5), so the axis keeps its
-    width and its title clear of the numbers whatever the rate."""
+    """A tok/s tick label in thousands past 10,000 (15k; a minor tick between thousands 10.5k),
+    so the ticks stay four characters wide and the axis title clear of them whatever the rate."""
     v = float(value)
     if abs(v) >= 10_000:
-        return f"{v / 1000:.0f}k"
+        return f"{v / 1000:g}k"
     return f"{v:g}"
 
 

@@ -210,6 +210,7 @@ def test_attention_model_shape_with_the_table_plan(pos):
     torch.testing.assert_close(kc[:, pos], want_kc[:, pos], rtol=1e-4, atol=1e-4)
     assert torch.equal(vc[:, pos], want_vc[:, pos])
 
+
 # ------------------------------------------------------------------------------------------
 # GPU twins: Qwen3.5-0.8B attention (8 q heads, 2 kv heads, head 256, rotary 64, theta 1e7)
 # ------------------------------------------------------------------------------------------
