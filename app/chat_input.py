@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar,
                                QPushButton, QSizePolicy, QVBoxLayout, QWidget)
@@ -59,18 +59,26 @@ class ElidedLabel(QLabel):
 
     def __init__(self, text: str, parent: QWidget | None = None):
         super().__init__(parent)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:       # noqa: N802  (QLabel's name: callers set the whole text)
         self.full_text = text
         self.setToolTip(text)
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._elide()
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._elide()
 
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.FontChange, QEvent.Type.StyleChange):
+            self._elide()                       # a style sheet's font arrives after construction
+
     def _elide(self) -> None:
-        self.setText(self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight,
-                                                   max(0, self.width())))
+        super().setText(self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight,
+                                                      max(0, self.width())))
 
 
 class ChatInput(QWidget):

@@ -18,13 +18,13 @@ from typing import Callable
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, QMainWindow,
-                               QMessageBox, QProgressBar, QSizePolicy, QSplitter, QToolButton,
+                               QMessageBox, QProgressBar, QSplitter, QToolButton,
                                QVBoxLayout, QWidget)
 
 from tritonchat.engine.api import SamplingParams
 
 from . import theme
-from .chat_input import ChatInput
+from .chat_input import ChatInput, ElidedLabel
 from .chat_view import ChatView
 from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
@@ -148,9 +148,9 @@ class MainWindow(QMainWindow):
         self.banner = ErrorBanner(self)
         self._banner_error_style = self.banner.styleSheet()
         self._banner_warning = False
-        self.header_title = QLabel(NEW_CHAT_TITLE, self)
+        # a long title ends in an ellipsis before the buttons (was cut mid-word in a narrow window)
+        self.header_title = ElidedLabel(NEW_CHAT_TITLE, self)
         self.header_title.setStyleSheet("font-size: 12pt; font-weight: 600;")
-        self.header_title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.timing_button = QToolButton(self)
         self.timing_button.setText("Timing")
         self.timing_button.setCheckable(True)

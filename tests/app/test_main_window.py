@@ -207,7 +207,7 @@ def test_new_chat_rename_search_and_delete(qtbot, make_window, monkeypatch):
     item = w.sidebar.list.item(1)
     item.setText("Renamed alpha")
     assert w.store.get_conversation(a).title == "Renamed alpha"
-    assert w.header_title.text() == "Renamed alpha"
+    assert w.header_title.full_text == "Renamed alpha"
     # search narrows the list (debounced)
     w.sidebar.search.setText("beta")
     qtbot.waitUntil(lambda: w.sidebar.ids() == [b])
@@ -535,3 +535,19 @@ def test_closing_mid_answer_keeps_what_was_written(qtbot, make_window, store):
     msg = store.messages(conv)[-1]
     assert msg.role == "assistant" and len(msg.content) > 20
     assert msg.stats["stop_reason"] == "stopped"
+
+
+def test_a_long_title_ends_in_an_ellipsis_before_the_header_buttons(qtbot, make_window):
+    """In a narrow window the chat's title was cut mid-word where the Timing button began."""
+    w = make_window()
+    w.show()
+    text = "Write a python function that adds two numbers, with a code block please"
+    send(qtbot, w, text)
+    w.resize(900, 700)
+    qtbot.waitUntil(lambda: w.header_title.text().endswith("\u2026"))
+    title = w.header_title
+    assert title.full_text == title.toolTip() and title.full_text.startswith("Write a python")
+    assert title.fontMetrics().horizontalAdvance(title.text()) <= title.width()
+    assert title.geometry().right() < w.timing_button.geometry().left()
+    w.resize(1600, 800)                         # room again: the whole (list-length) title
+    qtbot.waitUntil(lambda: title.text() == title.full_text)
