@@ -5,8 +5,9 @@ recurrent states, every activation buffer, split-K partials and sampler scratch.
 (`_decode_step`) allocates nothing and reads the token id and position from device tensors, so it
 is captured once into a CUDA graph and replayed until the context is full (engine/graph.py).
 
-Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_z|in_proj_b|in_proj_a -> one
-matrix; attention q_proj|k_proj|v_proj -> one; MLP gate_proj|up_proj -> one (SiLU*mul epilogue).
+Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_b|in_proj_a|in_proj_z -> one
+matrix (decode: the in_proj GEMV reads the first three, the GDN core's launch the z rows);
+attention q_proj|k_proj|v_proj -> one; MLP gate_proj|up_proj -> one (SiLU*mul epilogue).
 The reference model keeps working on views into the merged matrices (used for prefill until the
 Triton prefill kernels take over, and as a cross-check).
 """
@@ -54,7 +55,9 @@ class _Readback:
 
 @dataclass
 class _GdnLayer:
-    qkvzba: torch.Tensor      # [conv_dim + value_dim + 2*Hv, D]
+    qkvbaz: torch.Tensor      # [conv_dim + 2*Hv + value_dim, D]: in_proj_qkv|b|a|z (prefill GEMM)
+    qkvba: torch.Tensor       # its first conv_dim + 2*Hv rows (the decode in_proj GEMV)
+    z_w: torch.Tensor         # its last value_dim rows, in_proj_z (the decode GDN core's launch)
     conv_w: torch.Tensor      # [conv_dim, Kc]
     A_log: torch.Tensor
     dt_bias: torch.Tensor
@@ -165,7 +168,7 @@ class TritonBackend(Backend):
                 mixer = _AttnLayer(qkv, w[a + "q_norm.weight"], w[a + "k_norm.weight"], w[a + "o_proj.weight"])
             else:
                 g = p + "linear_attn."
-                names = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+                names = ("in_proj_qkv.weight", "in_proj_b.weight", "in_proj_a.weight", "in_proj_z.weight")
                 parts = [w[g + n] for n in names]
                 merged = torch.cat(parts).contiguous()
                 o = 0
@@ -176,7 +179,9 @@ class TritonBackend(Backend):
                 views[g + "conv1d.weight"] = conv_w.view(cfg.conv_dim, 1, -1)
                 for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
                     views[g + n] = w[g + n]
-                mixer = _GdnLayer(merged, conv_w, w[g + "A_log"], w[g + "dt_bias"].contiguous(),
+                n_ba = cfg.conv_dim + 2 * cfg.linear_num_value_heads
+                mixer = _GdnLayer(merged, merged[:n_ba], merged[n_ba:], conv_w, w[g + "A_log"],
+                                  w[g + "dt_bias"].contiguous(),
                                   w[g + "norm.weight"].contiguous(), w[g + "out_proj.weight"])
             self.layers.append(_Layer(kind, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"],
                                       gate_up, w[p + "mlp.down_proj.weight"], mixer))
@@ -204,7 +209,8 @@ class TritonBackend(Backend):
         # reads it there (copied on a side stream) while the next step is already running
         self.tok_ring = torch.full((TOKEN_RING,), -1, device=dev, dtype=torch.int64)
         self.h = z(D)                                          # residual stream
-        self.gdn_proj = z(cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads)
+        self.gdn_proj = z(cfg.conv_dim + 2 * cfg.linear_num_value_heads)   # [q|k|v conv out | b | a]
+        self.gdn_z = z(cfg.linear_value_dim)                                 # written by the core's launch
         self.gdn_out = z(cfg.linear_value_dim)
         self.attn_proj = z(2 * H * hd + 2 * KV * hd)
         self.attn_out = z(H * hd)
@@ -248,7 +254,7 @@ class TritonBackend(Backend):
         for L in self.layers:
             m = L.mixer
             if isinstance(m, _GdnLayer):
-                add(m.qkvzba, "rms", "conv")
+                add(m.qkvba, "rms", "conv")
                 add(m.out_proj, "gated", "residual", cfg.linear_value_head_dim)
             else:
                 add(m.qkv, "rms", "plain")
@@ -295,20 +301,23 @@ class TritonBackend(Backend):
         from tritonchat.kernels.attention_decode import attention_decode
         from tritonchat.kernels.gdn_decode import gdn_decode_core
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        cd, vd = cfg.conv_dim, cfg.linear_value_dim
         for i, L in enumerate(self.layers):
             m = L.mixer
             if isinstance(m, _GdnLayer):
                 conv = self.state.conv[i]
-                self._gemv("gemv_gdn_in_proj_norm_conv", self.h, m.qkvzba, self.gdn_proj, "rms", "conv",
+                self._gemv("gemv_gdn_in_proj_norm_conv", self.h, m.qkvba, self.gdn_proj, "rms", "conv",
                            norm_w=L.input_norm, eps=eps, conv_state=conv, conv_w=m.conv_w)
                 rec = self.state.rec[i]
-                self._launch("gdn_decode_core", rec.numel() * 4 * 2, gdn_decode_core, self.gdn_proj, m.A_log,
-                             m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
+                # the recurrence, and in programs of the same launch z = in_proj_z @ norm(h)
+                # (needed only by the out_proj; its rows stream while the recurrence waits)
+                zb = m.z_w.numel() * m.z_w.element_size()
+                self._launch("gdn_decode_core", rec.numel() * 4 * 2 + zb, gdn_decode_core, self.gdn_proj,
+                             m.A_log, m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
                              num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
-                             head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v)
+                             head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v,
+                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps)
                 self._gemv("gemv_gdn_out_proj_gatednorm", self.gdn_out, m.out_proj, self.h, "gated", "residual",
-                           norm_w=m.norm_w, gate=self.gdn_proj[cd:cd + vd], head_dim=cfg.linear_value_head_dim,
+                           norm_w=m.norm_w, gate=self.gdn_z, head_dim=cfg.linear_value_head_dim,
                            eps=eps, residual=self.h)
             else:
                 self._gemv("gemv_attn_qkv_norm", self.h, m.qkv, self.attn_proj, "rms", "plain",

@@ -135,7 +135,7 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
     eps = cfg.rms_norm_eps
     new = lambda *s: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     h, x, act = new(T, D), new(T, D), new(T, I)
-    gdn_proj = new(T, cd + vd + 2 * Hv) if cfg.linear_attention_layers else None
+    gdn_proj = new(T, cd + 2 * Hv + vd) if cfg.linear_attention_layers else None   # [qkv | b | a | z]
     conv_out = new(T, cd) if gdn_proj is not None else None
     gdn_out = new(T, vd) if gdn_proj is not None else None
     attn_proj = new(T, 2 * H * hd + 2 * KV * hd) if cfg.full_attention_layers else None
@@ -160,11 +160,11 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
                               head_dim=hd, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, eps=eps)
             gemm(attn_out, m.o_proj, h, residual=h)
         else:
-            gemm(x, m.qkvzba, gdn_proj)
+            gemm(x, m.qkvbaz, gdn_proj)
             if t_dev is not None:
                 # pads: beta = sigmoid(-inf) = 0 and g = -exp(A_log) softplus(-inf) = 0, so the
                 # recurrent state passes through them; the conv state is rebuilt below
-                gdn_proj[:, cd + vd:].masked_fill_(pad[:, None], float("-inf"))
+                gdn_proj[:, cd:cd + 2 * Hv].masked_fill_(pad[:, None], float("-inf"))
                 old_conv = be.state.conv[i].clone()
             causal_conv1d(gdn_proj[:, :cd], m.conv_w, be.state.conv[i], conv_out)
             if t_dev is not None:
@@ -173,8 +173,8 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
                 from_rows = gdn_proj[:, :cd].index_select(0, (conv_idx - kc1).clamp(min=0)).t()
                 from_old = old_conv.index_select(1, conv_idx.clamp(max=kc1 - 1))
                 torch.where(in_old, from_old, from_rows, out=be.state.conv[i])
-            gdn_prefill(conv_out, gdn_proj[:, cd:cd + vd], gdn_proj[:, cd + vd:cd + vd + Hv],
-                        gdn_proj[:, cd + vd + Hv:], m.A_log, m.dt_bias, be.state.rec[i], m.norm_w, gdn_out,
+            gdn_prefill(conv_out, gdn_proj[:, cd + 2 * Hv:], gdn_proj[:, cd:cd + Hv],
+                        gdn_proj[:, cd + Hv:cd + 2 * Hv], m.A_log, m.dt_bias, be.state.rec[i], m.norm_w, gdn_out,
                         num_k_heads=cfg.linear_num_key_heads, num_v_heads=Hv,
                         head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=eps)
             gemm(gdn_out, m.out_proj, h, residual=h)

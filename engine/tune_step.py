@@ -182,6 +182,18 @@ def main(argv=None) -> int:
                          lambda: table.__setitem__(core_key, cand_e),
                          lambda: table.__setitem__(core_key, cur_e)):
                     improved, changed[core_key] = True, dict(block_v=bv, num_warps=nw)
+        # the in_proj's z rows in the core's launch: rows per program, before or after the tiles
+        for zbn in (1, 2, 4, 8):
+            for zf in (True, False):
+                cur_e = dict(table.get(core_key, {}))
+                if time.time() > deadline or (cur_e.get("z_block_n"), cur_e.get("z_first", True)) == (zbn, zf):
+                    continue
+                cand_e = dict(cur_e, key=core_key, z_block_n=zbn, z_first=zf)
+                if trial(f"{core_key} -> z_block_n {zbn} z_first {zf}",
+                         lambda: table.__setitem__(core_key, cand_e),
+                         lambda: table.__setitem__(core_key, cur_e)):
+                    improved = True
+                    changed[core_key] = dict(changed.get(core_key, {}), z_block_n=zbn, z_first=zf)
         # LM head (greedy, fused norm + argmax)
         for bn in (4, 8, 16, 32):
             for bk in (256, 512, 1024):

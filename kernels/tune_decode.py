@@ -34,7 +34,7 @@ D, I, V = 1024, 3584, 248320
 HK, HV, DK, DV, KW = 16, 16, 128, 128, 4
 H, KV, HD, ROT = 8, 2, 256, 64
 CONV_DIM = 2 * HK * DK + HV * DV                    # 6144
-N_PROJ = CONV_DIM + HV * DV + 2 * HV                # 8224
+N_PROJ = CONV_DIM + 2 * HV                          # 6176: q|k|v|b|a (z: the core's launch)
 N_QKV = 2 * H * HD + 2 * KV * HD                    # 5120
 LAYER_TYPES = ["gdn", "gdn", "gdn", "attn"] * 6
 EPS = 1e-6
@@ -43,7 +43,7 @@ DT = torch.bfloat16
 # (key, n_out, k, prologue, epilogue, what)
 GEMVS = [
     (G.fused_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
-     "GDN in_proj qkv|z|b|a + input norm + causal conv"),
+     "GDN in_proj qkv|b|a + input norm + causal conv"),
     (G.fused_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
      "attention q|k|v + input norm"),
     (G.fused_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
@@ -204,34 +204,39 @@ def tune_lm_head(quick: bool, log) -> list[dict]:
 
 
 def _core_setup():
+    """The core's operands as the engine passes them: proj = [q|k|v | b | a], and the z rows'
+    weight, input, norm weight and output (the z GEMV runs in the same launch)."""
     proj = _rand(N_PROJ)
     A_log = torch.randn(HV, device="cuda") * 0.5
     dt_bias = _rand(HV)
     state = torch.randn(HV, DK, DV, device="cuda") * 0.01
     o = torch.empty(HV * DV, device="cuda", dtype=DT)
-    return proj, A_log, dt_bias, state, o
+    z = dict(z_weight=_rand(HV * DV, D, scale=D ** -0.5), z_x=_rand(D), z_norm_w=_rand(D, scale=0.1),
+             z_out=torch.empty(HV * DV, device="cuda", dtype=DT), z_eps=EPS)
+    return proj, A_log, dt_bias, state, o, z
 
 
 def tune_core(quick: bool, log) -> list[dict]:
-    proj, A_log, dt_bias, state, o = _core_setup()
+    proj, A_log, dt_bias, state, o, z = _core_setup()
     best = None
     for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64]):
         for w in ([2, 4] if quick else [1, 2, 4, 8]):
-            fn = lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,  # noqa
-                                         num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
-                                         block_v=bv, num_warps=w)
-            try:
-                us = _bench_us(fn, rep=10)
-            except Exception as e:  # noqa: BLE001
-                log(f"  skip gdn_core {bv}/{w}: {type(e).__name__}")
-                continue
-            if best is None or us < best[0]:
-                best = (us, dict(block_v=bv, num_warps=w))
+            for zbn in ([2, 4, 8] if quick else [1, 2, 4, 8, 16]):
+                fn = lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,  # noqa
+                                             num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
+                                             block_v=bv, num_warps=w, z_block_n=zbn, **z)
+                try:
+                    us = _bench_us(fn, rep=10)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  skip gdn_core {bv}/{w}/{zbn}: {type(e).__name__}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, dict(block_v=bv, num_warps=w, z_block_n=zbn))
     us, p = best
-    nbytes = state.numel() * 4 * 2
+    nbytes = state.numel() * 4 * 2 + z["z_weight"].numel() * 2
     log(f"{CORE_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}")
     return [dict(key=CORE_KEY, **p, us=round(us, 2), gb_s=round(nbytes / (us * 1e-6) / 1e9, 1),
-                 what="GDN recurrence (state read + write)")]
+                 what="GDN recurrence (state read + write) + the z rows of the in_proj")]
 
 
 def replay_ms(graph, n: int, before=None) -> float:
@@ -271,10 +276,12 @@ def bench_kernels(log) -> None:
         p = G.fused_plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
         log(f"  {key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  {what}")
         del g
-    proj, A_log, dt_bias, state, o = _core_setup()
+    proj, A_log, dt_bias, state, o, z = _core_setup()
     us = _bench_us(lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,
-                                           num_v_heads=HV, head_k_dim=DK, head_v_dim=DV), rep=50)
-    log(f"  {CORE_KEY:38s} {us:8.2f} us {state.numel() * 8 / (us * 1e-6) / 1e9:7.0f} GB/s")
+                                           num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, **z),
+                   rep=50)
+    nbytes = state.numel() * 8 + z["z_weight"].numel() * 2
+    log(f"  {CORE_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  (+ the z rows)")
     E, h, nw, logits, tok, part = _lm_head_setup()
     us = _bench_us(lambda: lm_head_argmax(h, E, V, logits, tok, part, norm_w=nw, eps=EPS), rep=50)
     log(f"  {LM_KEY:38s} {us:8.2f} us {E.numel() * 2 / (us * 1e-6) / 1e9:7.0f} GB/s  "
@@ -292,7 +299,7 @@ def bench_step(log, context: int = 256) -> int:
         L = dict(kind=kind, in_norm=_rand(D, scale=0.1), post_norm=_rand(D, scale=0.1),
                  gate_up=_rand(2 * I, D, scale=D ** -0.5), down=_rand(D, I, scale=I ** -0.5))
         if kind == "gdn":
-            L.update(qkvzba=_rand(N_PROJ, D, scale=D ** -0.5),
+            L.update(qkvba=_rand(N_PROJ, D, scale=D ** -0.5), z_w=_rand(HV * DV, D, scale=D ** -0.5),
                      conv_w=_rand(CONV_DIM, KW, scale=0.5), A_log=torch.randn(HV, device="cuda"),
                      dt_bias=_rand(HV), norm_w=1 + 0.1 * torch.randn(DV, device="cuda"),
                      out_proj=_rand(D, HV * DV, scale=(HV * DV) ** -0.5),
@@ -305,11 +312,12 @@ def bench_step(log, context: int = 256) -> int:
         layers.append(L)
     E = _rand(V, D, scale=0.05)
     final_norm = _rand(D, scale=0.1)
-    mats = ("gate_up", "down", "qkvzba", "out_proj", "qkv", "o_proj")
+    mats = ("gate_up", "down", "qkvba", "z_w", "out_proj", "qkv", "o_proj")
     weight_bytes = E.numel() * 2 + sum(L[m].numel() * 2 for L in layers for m in mats if m in L)
     h = _rand(D)
     proj = torch.empty(N_PROJ, device="cuda", dtype=DT)
     o = torch.empty(HV * DV, device="cuda", dtype=DT)
+    zbuf = torch.empty(HV * DV, device="cuda", dtype=DT)
     aproj = torch.empty(N_QKV, device="cuda", dtype=DT)
     aout = torch.empty(H * HD, device="cuda", dtype=DT)
     act = torch.empty(I, device="cuda", dtype=DT)
@@ -327,13 +335,13 @@ def bench_step(log, context: int = 256) -> int:
     def step():
         for L in layers:
             if L["kind"] == "gdn":
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvzba"], proj, conv_state=L["conv_state"],
+                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvba"], proj, conv_state=L["conv_state"],
                                conv_w=L["conv_w"], **sc)
                 gdn_decode_core(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
-                                num_v_heads=HV, head_k_dim=DK, head_v_dim=DV)
-                G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"],
-                             gate=proj[CONV_DIM:CONV_DIM + HV * DV], head_dim=DV, eps=EPS,
-                             residual=h, **sc)
+                                num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, z_weight=L["z_w"],
+                                z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS)
+                G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
+                             eps=EPS, residual=h, **sc)
             else:
                 G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, **sc)
                 q_n, kv_n = 2 * H * HD, KV * HD

@@ -279,6 +279,45 @@ def test_gdn_decode_core_steps(cfg, block_v, dtype):
         state.copy_(want_state)
 
 
+def _z_case(hv, dv, K, dtype, g):
+    """The z programs' operands: in_proj_z [Hv*dv, K], the layer input, the input norm weight
+    and a NaN-filled z output."""
+    return dict(z_weight=_vec(hv * dv * K, g, K ** -0.5, dtype).view(hv * dv, K),
+                z_x=_vec(K, g, 2.0, dtype), z_norm_w=_vec(K, g, 0.2, dtype),
+                z_out=torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype), z_eps=EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,z_block_n,z_first", [(40, None, True), (64, 4, False),
+                                                  (24, 16, True), (24, 16, False)])
+@pytest.mark.parametrize("cfg", CORE_CONFIGS[:3], ids=lambda c: "hk{}hv{}dk{}dv{}".format(*c))
+def test_gdn_decode_core_with_z_programs(cfg, K, z_block_n, z_first, dtype):
+    """The engine's launch: z = in_proj_z @ rmsnorm(x) in programs of the core's grid, proj
+    without z. The recurrence is bit-equal to the launch without z programs on the old layout,
+    and z matches the norm + GEMV reference (rows not a multiple of the block, K not a power of
+    two, more z programs than recurrence tiles and fewer)."""
+    hk, hv, dk, dv = cfg
+    g = torch.Generator().manual_seed(hk * 10 + K)
+    A_log = (torch.randn(hv, generator=g) * 0.5).to(DEVICE)
+    dt_bias = torch.randn(hv, generator=g).to(DEVICE, dtype)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    conv_dim = 2 * hk * dk + hv * dv
+    for step in range(2):
+        old = _proj(hk, hv, dk, dv, dtype, g, step)          # [conv out | z | b | a]
+        new = torch.cat([old[:conv_dim], old[conv_dim + hv * dv:]])   # [conv out | b | a]
+        z = _z_case(hv, dv, K, dtype, g)
+        want_state = state.clone()
+        want_o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
+        gdn_decode_core(old, A_log, dt_bias, want_state, want_o, **kw)
+        o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
+        gdn_decode_core(new, A_log, dt_bias, state, o, z_block_n=z_block_n, z_first=z_first,
+                        **kw, **z)
+        assert torch.equal(state, want_state) and torch.equal(o, want_o)
+        want_z = gemv_ref(rms_norm_ref(z["z_x"], z["z_norm_w"], EPS), z["z_weight"], out_dtype=dtype)
+        torch.testing.assert_close(z["z_out"], want_z, **_tol(dtype))
+
+
 def test_gdn_decode_core_validates():
     hk, hv, dk, dv = 2, 4, 8, 8
     proj = torch.zeros(2 * hk * dk + 2 * hv * dv + 2 * hv, device=DEVICE)
@@ -294,6 +333,23 @@ def test_gdn_decode_core_validates():
         gdn_decode_core(proj, A, dt, state, o, **{**kw, "num_v_heads": 3})
     with pytest.raises(ValueError):
         gdn_decode_core(proj, A, dt, state, o, block_v=12, **kw)
+    # the z programs: proj without z, all four z operands, a power-of-two block
+    g = torch.Generator().manual_seed(0)
+    z = _z_case(hv, dv, 16, torch.float32, g)
+    proj_ba = proj[:2 * hk * dk + hv * dv + 2 * hv].contiguous()
+    gdn_decode_core(proj_ba, A, dt, state, o, **kw, **z)
+    with pytest.raises(ValueError):                     # the old layout with z programs
+        gdn_decode_core(proj, A, dt, state, o, **kw, **z)
+    with pytest.raises(ValueError):                     # z_out without z_weight
+        gdn_decode_core(proj, A, dt, state, o, z_out=z["z_out"], **kw)
+    with pytest.raises(ValueError):                     # z_weight without z_x
+        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": None})
+    with pytest.raises(ValueError):                     # z rows != Hv * dv
+        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_weight": z["z_weight"][1:]})
+    with pytest.raises(ValueError):                     # z_x of the wrong length
+        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": z["z_x"][1:]})
+    with pytest.raises(ValueError):
+        gdn_decode_core(proj_ba, A, dt, state, o, z_block_n=6, **kw, **z)
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,22 +398,34 @@ def _unfused_gdn_step(L, h, conv_state, state, dims, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("z_in_core", [False, True], ids=["z_in_proj", "z_in_core"])
 @pytest.mark.parametrize("dims,split_k", [((2, 4, 24, 40), 1), ((2, 2, 32, 32), 2)])
-def test_gdn_mixer_fused_path_matches_unfused(dims, split_k, dtype):
+def test_gdn_mixer_fused_path_matches_unfused(dims, split_k, z_in_core, dtype):
+    """z_in_core: the engine's form, the in_proj GEMV on the q|k|v|b|a rows and the z rows in
+    the GDN core's launch."""
     hk, hv, dk, dv = dims
     D, kwid = 96, 4
     g = torch.Generator().manual_seed(11)
     L, conv_state, state, h, proj, o, conv_dim, n_proj = _gdn_step_inputs(dims, kwid, D, dtype, g)
     ref_conv, ref_state = conv_state.clone(), state.clone()
     part, cnt = _scratch(max(n_proj, D), split_k, 8)
+    W = L["qkvzba"]
+    if z_in_core:
+        zr = slice(conv_dim, conv_dim + hv * dv)
+        W = torch.cat([W[:conv_dim], W[conv_dim + hv * dv:]])        # q|k|v|b|a
+        proj = proj[:W.shape[0]]
+        zbuf = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
+        zkw = dict(z_weight=L["qkvzba"][zr].contiguous(), z_x=h, z_norm_w=L["input_norm"],
+                   z_out=zbuf, z_eps=EPS)
     for step in range(2):
         want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state, dims, dtype)
-        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], proj, conv_state=conv_state,
+        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=conv_state,
                      conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt,
                      block_n=8, block_k=32)
         gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
-                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=proj[conv_dim:conv_dim + hv * dv],
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **(zkw if z_in_core else {}))
+        gate = zbuf if z_in_core else proj[conv_dim:conv_dim + hv * dv]
+        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
                    head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
                    counters=cnt, block_n=8, block_k=min(32, dv))
         # the state holds the projection outputs: equal up to the GEMV's summation order
@@ -459,11 +527,15 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     build(G._fused_gemv_kernel, gated_args,
           dict(base, PRO=2, EPI=1, DV=128, BLOCK_X=128, SPLIT_K=2, BLOCK_N=4, BLOCK_K=128), 4)
     core_args = dict(proj_ptr="*bf16", A_log_ptr="*fp32", dt_bias_ptr="*bf16",
-                     state_ptr="*fp32", o_ptr="*bf16", q_scale="fp32", HK="i32", HV="i32")
-    for bv in (16, 32):
+                     state_ptr="*fp32", o_ptr="*bf16", q_scale="fp32", zw_ptr="*bf16",
+                     zx_ptr="*bf16", znw_ptr="*bf16", z_ptr="*bf16", z_eps="fp32", HK="i32",
+                     HV="i32", BA_OFF="i32", N_Z="i32")
+    # without z programs, with them (first or last in the grid: the engine's launch)
+    for bv, z_rows, z_first in ((16, 0, True), (32, 2048, True), (32, 2048, False)):
         build(C._gdn_core_kernel, core_args,
               dict(DK=128, DV=128, GROUP=1, BLOCK_K=128, BLOCK_V=bv, L2_EPS=1e-6,
-                   SP_THRESHOLD=20.0, PDL=True), 4)
+                   SP_THRESHOLD=20.0, PDL=True, Z_ROWS=z_rows, ZK=1024 if z_rows else 0,
+                   BLOCK_ZN=8, BLOCK_ZK=1024 if z_rows else 1, Z_FIRST=z_first), 4)
     # the persistent direct form, with the trigger-at-start PDL mode (2)
     pers_args = dict(x_ptr="*bf16", z_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16",
                      out_ptr="*bf16", res_ptr="*bf16", conv_state_ptr="*bf16",
@@ -507,9 +579,18 @@ def test_fused_kernels_compile_for_sm90_with_pdl():
 Q08 = dict(D=1024, I=3584, hk=16, hv=16, dk=128, dv=128, kw=4, V=248320)
 
 
+def _z_split(L, hk, hv, dk, dv):
+    """The engine's GDN weights: the in_proj rows q|k|v|b|a and the z rows apart."""
+    conv_dim = 2 * hk * dk + hv * dv
+    W = L["qkvzba"]
+    return (torch.cat([W[:conv_dim], W[conv_dim + hv * dv:]]),
+            W[conv_dim:conv_dim + hv * dv].contiguous())
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("z_in_core", [False, True], ids=["z_in_proj", "z_in_core"])
 @pytest.mark.parametrize("split_k", [None, 1, 2])
-def test_gpu_gdn_mixer_model_shape(split_k):
+def test_gpu_gdn_mixer_model_shape(split_k, z_in_core):
     torch.manual_seed(0)
     dt = torch.bfloat16
     hk, hv, dk, dv, kwid, D = (Q08[k] for k in ("hk", "hv", "dk", "dv", "kw", "D"))
@@ -519,14 +600,20 @@ def test_gpu_gdn_mixer_model_shape(split_k):
     ref_conv, ref_state = conv_state.clone(), state.clone()
     part = torch.zeros(8 * n_proj, device=DEVICE)
     cnt = torch.zeros(n_proj, device=DEVICE, dtype=torch.int32)
+    W, zkw, gate = L["qkvzba"], {}, proj[conv_dim:conv_dim + hv * dv]
+    if z_in_core:
+        W, z_w = _z_split(L, hk, hv, dk, dv)
+        proj = proj[:W.shape[0]]
+        gate = torch.empty(hv * dv, device=DEVICE, dtype=dt)
+        zkw = dict(z_weight=z_w, z_x=h, z_norm_w=L["input_norm"], z_out=gate, z_eps=EPS)
     for step in range(3):
         want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state,
                                                         (hk, hv, dk, dv), dt)
-        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], proj, conv_state=conv_state,
+        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=conv_state,
                      conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt)
         gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
-                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=proj[conv_dim:conv_dim + hv * dv],
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **zkw)
+        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
                    head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
                    counters=cnt)
         # bf16: a rounding point may flip one ulp between summation orders
@@ -582,9 +669,11 @@ def test_gpu_lm_head_final_norm_model_shape():
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch):
+@pytest.mark.parametrize("z_in_core", [False, True], ids=["z_in_proj", "z_in_core"])
+def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch, z_in_core):
     """With USE_PDL on (sm_90+), a CUDA graph of the fused GDN + MLP sequence replays to the
-    same bits as eager launches without PDL."""
+    same bits as eager launches without PDL. z_in_core: the engine's form, whose z programs
+    read h before their PDL wait (h's writer, the down GEMV, is two launches back)."""
     dt = torch.bfloat16
     hk, hv, dk, dv, kwid, D, I = (Q08[k] for k in ("hk", "hv", "dk", "dv", "kw", "D", "I"))
     g = torch.Generator().manual_seed(8)
@@ -603,14 +692,20 @@ def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch):
     cs0 = _vec(conv_dim * (kwid - 1), g, 1.0, dt).view(conv_dim, kwid - 1)
     st0 = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
 
+    W, z_w = (_z_split(L, hk, hv, dk, dv) if z_in_core else (L["qkvzba"], None))
+    proj = bufs["proj"][:W.shape[0]]
+    gate = torch.empty(hv * dv, device=DEVICE, dtype=dt) if z_in_core else \
+        bufs["proj"][conv_dim:conv_dim + hv * dv]
+
     def step(h, cs, st):
-        gemv_rmsnorm(h, L["input_norm"], EPS, L["qkvzba"], bufs["proj"], conv_state=cs,
+        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=cs,
                      conv_w=L["conv_w"], partials=part, counters=cnt)
-        gdn_decode_core(bufs["proj"], L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
-                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-        gemv_fused(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"],
-                   gate=bufs["proj"][conv_dim:conv_dim + hv * dv], head_dim=dv, eps=EPS,
-                   residual=h, partials=part, counters=cnt)
+        zkw = dict(z_weight=z_w, z_x=h, z_norm_w=L["input_norm"], z_out=gate, z_eps=EPS) \
+            if z_in_core else {}
+        gdn_decode_core(proj, L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **zkw)
+        gemv_fused(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"], gate=gate, head_dim=dv,
+                   eps=EPS, residual=h, partials=part, counters=cnt)
         gemv_rmsnorm(h, post, EPS, gate_up, bufs["act"], silu_mul=True, partials=part,
                      counters=cnt)
         gemv_fused(bufs["act"], down, h, residual=h, partials=part, counters=cnt)
@@ -647,7 +742,10 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
     table.write_text('{"entries": ['
                      '{"key": "gemv:1024x2048:gated:residual", "split_k": 4, "block_n": 4,'
                      ' "block_k": 64, "num_warps": 8},'
-                     '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2},'
+                     '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2,'
+                     ' "z_block_n": 16, "z_first": false},'
+                     '{"key": "gdn_core:8x64x64", "block_v": 16, "num_warps": 4,'
+                     ' "z_block_n": 12},'
                      '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
                      ' "num_warps": 8},'
                      '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
@@ -666,7 +764,8 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
         assert gemv_mod.fused_plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
         # an entry whose block_k exceeds the head would be invalid: the heuristic wins
         assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
-        assert gdn_mod._core_plan(16, 128, 128) == (32, 2)
+        assert gdn_mod._core_plan(16, 128, 128) == (32, 2, 16, False)
+        assert gdn_mod._core_plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
         assert samp_mod.lm_head_plan(248320, 1024, True) == dict(block_n=16, block_k=256,
                                                                 num_warps=8)
         from tritonchat.kernels.attention_decode import attention_plan
