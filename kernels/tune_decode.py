@@ -292,7 +292,7 @@ def bench_kernels(log) -> None:
 def bench_step(log, context: int = 256) -> int:
     """A whole synthetic decode step (fused sequence, 24 layers, own weights) in one graph;
     returns the weight bytes one step streams."""
-    from .attention_decode import attention_decode, partials_numel, plan_num_splits
+    from .attention_decode import attention_decode, counters_numel, partials_numel, plan_num_splits
     torch.manual_seed(0)
     layers = []
     for kind in LAYER_TYPES:
@@ -325,6 +325,7 @@ def bench_step(log, context: int = 256) -> int:
     cnt = torch.zeros(2 * N_PROJ, device="cuda", dtype=torch.int32)
     splits = plan_num_splits(context + 8, KV)
     apart = torch.zeros(partials_numel(H, HD, splits), device="cuda")
+    acnt = torch.zeros(counters_numel(KV, splits), device="cuda", dtype=torch.int32)  # stay zero
     pos = torch.tensor([context], device="cuda", dtype=torch.int32)
     lp = lm_head_plan(V, D, True)
     logits = torch.empty(V, device="cuda")
@@ -346,7 +347,7 @@ def bench_step(log, context: int = 256) -> int:
                 G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, **sc)
                 q_n, kv_n = 2 * H * HD, KV * HD
                 attention_decode(aproj[:q_n], aproj[q_n:q_n + kv_n], aproj[q_n + kv_n:],
-                                 L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart,
+                                 L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart, acnt,
                                  num_heads=H, num_kv_heads=KV, head_dim=HD, rotary_dim=ROT,
                                  rope_theta=1e7, eps=EPS, num_splits=splits)
                 G.gemv_fused(aout, L["o_proj"], h, residual=h, **sc)
