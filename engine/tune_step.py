@@ -181,7 +181,8 @@ def main(argv=None) -> int:
                 if trial(f"{core_key} -> block_v {bv} warps {nw}",
                          lambda: table.__setitem__(core_key, cand_e),
                          lambda: table.__setitem__(core_key, cur_e)):
-                    improved, changed[core_key] = True, dict(block_v=bv, num_warps=nw)
+                    improved = True
+                    changed[core_key] = dict(changed.get(core_key, {}), block_v=bv, num_warps=nw)
         # the in_proj's z rows in the core's launch: rows per program, before or after the tiles
         for zbn in (1, 2, 4, 8):
             for zf in (True, False):
