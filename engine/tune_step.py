@@ -171,30 +171,20 @@ def main(argv=None) -> int:
             if trial(f"{name} {cur} -> {cand}", lambda: be._fplans.__setitem__(key, cand),
                      lambda: be._fplans.__setitem__(key, cur)):
                 improved, changed[name] = True, dict(cand)
-        # GDN core tile / warps (the launcher reads the table at capture)
-        for bv in (8, 16, 32, 64):
-            for nw in (1, 2, 4, 8):
-                cur_e = dict(table.get(core_key, {}))
-                if time.time() > deadline or (cur_e.get("block_v"), cur_e.get("num_warps")) == (bv, nw):
-                    continue
-                cand_e = dict(cur_e, key=core_key, block_v=bv, num_warps=nw)
-                if trial(f"{core_key} -> block_v {bv} warps {nw}",
-                         lambda: table.__setitem__(core_key, cand_e),
-                         lambda: table.__setitem__(core_key, cur_e)):
-                    improved = True
-                    changed[core_key] = dict(changed.get(core_key, {}), block_v=bv, num_warps=nw)
-        # the in_proj's z rows in the core's launch: rows per program, before or after the tiles
-        for zbn in (1, 2, 4, 8):
-            for zf in (True, False):
-                cur_e = dict(table.get(core_key, {}))
-                if time.time() > deadline or (cur_e.get("z_block_n"), cur_e.get("z_first", True)) == (zbn, zf):
-                    continue
-                cand_e = dict(cur_e, key=core_key, z_block_n=zbn, z_first=zf)
-                if trial(f"{core_key} -> z_block_n {zbn} z_first {zf}",
-                         lambda: table.__setitem__(core_key, cand_e),
-                         lambda: table.__setitem__(core_key, cur_e)):
-                    improved = True
-                    changed[core_key] = dict(changed.get(core_key, {}), z_block_n=zbn, z_first=zf)
+        # GDN core (the launcher reads the table at capture): the recurrence's tile and warps,
+        # then the in_proj's z rows in its launch (rows per program, before or after the tiles)
+        core_cands = ([dict(block_v=bv, num_warps=nw) for bv in (8, 16, 32, 64) for nw in (1, 2, 4, 8)]
+                      + [dict(z_block_n=zbn, z_first=zf) for zbn in (1, 2, 4, 8) for zf in (True, False)])
+        for cand in core_cands:
+            cur_e = dict(table.get(core_key, {}))
+            cur_v = dict(cur_e, z_first=cur_e.get("z_first", True))
+            if time.time() > deadline or all(cur_v.get(f) == v for f, v in cand.items()):
+                continue
+            cand_e = dict(cur_e, key=core_key, **cand)
+            if trial(f"{core_key} -> {cand}", lambda: table.__setitem__(core_key, cand_e),
+                     lambda: table.__setitem__(core_key, cur_e)):
+                improved = True
+                changed[core_key] = dict(changed.get(core_key, {}), **cand)
         # LM head (greedy, fused norm + argmax)
         for bn in (4, 8, 16, 32):
             for bk in (256, 512, 1024):

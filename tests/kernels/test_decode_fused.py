@@ -259,16 +259,22 @@ def _proj(hk, hv, dk, dv, dtype, g, step):
     return torch.cat([x, ba]).to(DEVICE, dtype)
 
 
+def _core_params(cfg, dtype, g):
+    """A_log, dt_bias, a recurrent state and the head-count keywords of a core launch."""
+    hk, hv, dk, dv = cfg
+    A_log = (torch.randn(hv, generator=g) * 0.5).to(DEVICE)
+    dt_bias = torch.randn(hv, generator=g).to(DEVICE, dtype)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
+    return A_log, dt_bias, state, dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_v", [None, 8, 16])
 @pytest.mark.parametrize("cfg", CORE_CONFIGS, ids=lambda c: "hk{}hv{}dk{}dv{}".format(*c))
 def test_gdn_decode_core_steps(cfg, block_v, dtype):
     hk, hv, dk, dv = cfg
     g = torch.Generator().manual_seed(hk * 100 + dv)
-    A_log = (torch.randn(hv, generator=g) * 0.5).to(DEVICE)
-    dt_bias = torch.randn(hv, generator=g).to(DEVICE, dtype)
-    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
-    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    A_log, dt_bias, state, kw = _core_params(cfg, dtype, g)
     for step in range(2):
         proj = _proj(hk, hv, dk, dv, dtype, g, step)
         want_o, want_state = gdn_decode_core_ref(proj, A_log, dt_bias, state, **kw)
@@ -298,10 +304,7 @@ def test_gdn_decode_core_with_z_programs(cfg, K, z_block_n, z_first, dtype):
     two, more z programs than recurrence tiles and fewer)."""
     hk, hv, dk, dv = cfg
     g = torch.Generator().manual_seed(hk * 10 + K)
-    A_log = (torch.randn(hv, generator=g) * 0.5).to(DEVICE)
-    dt_bias = torch.randn(hv, generator=g).to(DEVICE, dtype)
-    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(DEVICE)
-    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    A_log, dt_bias, state, kw = _core_params(cfg, dtype, g)
     conv_dim = 2 * hk * dk + hv * dv
     for step in range(2):
         old = _proj(hk, hv, dk, dv, dtype, g, step)          # [conv out | z | b | a]
