@@ -218,7 +218,8 @@ class TritonBackend(Backend):
         self.logits_buf = z(cfg.vocab_size, dtype=torch.float32)
         from tritonchat.kernels import attention_decode as ad
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms)
+        self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms,
+                                              block_n=ad.tile_positions(H, KV, hd))
         self.attn_partials = z(ad.partials_numel(H, hd, self.attn_splits), dtype=torch.float32)
         # zero; every launch leaves them zero
         self.attn_counters = z(ad.counters_numel(KV, self.attn_splits), dtype=torch.int32)

@@ -368,8 +368,9 @@ def counters_numel(num_kv_heads: int, num_splits: int, merge_splits: int = DEFAU
 def plan_num_splits(max_context: int, num_kv_heads: int, *, sm_count: int = 132,
                     block_n: int = 32) -> int:
     """A capture-time split count: enough (kv head, split) programs to cover the SMs when the
-    context is long, never more splits than BLOCK_N-sized pieces of max_context. Short
-    contexts use fewer splits automatically (the split length is rounded up to BLOCK_N)."""
+    context is long, never more splits than BLOCK_N-sized pieces of max_context (pass the
+    launch's tile, tile_positions(), or splits past the last position idle). Short contexts use
+    fewer splits automatically (the split length is rounded up to BLOCK_N)."""
     want = max(1, sm_count // max(1, num_kv_heads))
     return max(1, min(want, cdiv(max_context, block_n)))
 
@@ -393,6 +394,13 @@ def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
         if v > 0 and (k != "block_n" or v & (v - 1) == 0):
             plan[k] = v
     return plan
+
+
+def tile_positions(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Cached positions per K/V tile (BLOCK_N) of the launch for this shape: the decode table's
+    plan, else a [BLOCK_N, head_dim] tile of up to 8K elements, 16 to 64 positions."""
+    return (attention_plan(num_heads, num_kv_heads, head_dim).get("block_n")
+            or max(16, min(64, 8192 // max(16, next_pow2(int(head_dim))))))
 
 
 def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -458,7 +466,7 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_h = max(16, next_pow2(group))          # tl.dot needs M >= 16
     plan = attention_plan(H, Hkv, hd)
     if block_n is None:
-        block_n = plan.get("block_n") or max(16, min(64, 8192 // block_d))
+        block_n = tile_positions(H, Hkv, hd)
     num_stages = num_stages or plan.get("num_stages")
     max_ctx = k_cache.shape[1]
     freq_log2_step = -2.0 * math.log2(float(rope_theta)) / rot

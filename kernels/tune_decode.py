@@ -292,7 +292,8 @@ def bench_kernels(log) -> None:
 def bench_step(log, context: int = 256) -> int:
     """A whole synthetic decode step (fused sequence, 24 layers, own weights) in one graph;
     returns the weight bytes one step streams."""
-    from .attention_decode import attention_decode, counters_numel, partials_numel, plan_num_splits
+    from .attention_decode import (attention_decode, counters_numel, partials_numel, plan_num_splits,
+                                   tile_positions)
     torch.manual_seed(0)
     layers = []
     for kind in LAYER_TYPES:
@@ -323,7 +324,7 @@ def bench_step(log, context: int = 256) -> int:
     act = torch.empty(I, device="cuda", dtype=DT)
     part = torch.zeros(64 * 2 * I, device="cuda")
     cnt = torch.zeros(2 * N_PROJ, device="cuda", dtype=torch.int32)
-    splits = plan_num_splits(context + 8, KV)
+    splits = plan_num_splits(context + 8, KV, block_n=tile_positions(H, KV, HD))
     apart = torch.zeros(partials_numel(H, HD, splits), device="cuda")
     acnt = torch.zeros(counters_numel(KV, splits), device="cuda", dtype=torch.int32)  # stay zero
     pos = torch.tensor([context], device="cuda", dtype=torch.int32)
