@@ -7,6 +7,7 @@ import torch
 from tritonchat.kernels.attention_decode import (attention_decode, attention_plan,
                                                  counters_numel, partials_numel,
                                                  plan_num_splits, tile_positions)
+from tritonchat.kernels.hostmath import cdiv
 from tritonchat.kernels.reference import attention_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,19 +189,19 @@ def test_attention_validates():
     with pytest.raises(ValueError):
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt[:1], **kw)
     assert plan_num_splits(32768, 2) == 66 and plan_num_splits(40, 2) == 2
+    # 66 splits in groups of 8: 9 group records per head, 9 + 1 counters per KV head
+    assert partials_numel(8, 256, 66) == 8 * (66 + 9) * 258
+    assert counters_numel(2, 66) == 20 and counters_numel(2, 5) == 4
 
 
 @pytest.mark.parametrize("ctx", [40, 100, 1000, 4000])
 def test_planned_splits_all_active_at_the_last_position(ctx):
     """With the launch's own tile, every split the engine allocates holds positions when the
-    context is full (up to 66 tiles); the kernel's split length and active count, from pos."""
+    context is full (up to 66 tiles): the kernel's split length and active count at p = ctx-1."""
     bn = tile_positions(8, 2, 256)
     s = plan_num_splits(ctx, 2, sm_count=132, block_n=bn)
-    per_split = -(-(-(-ctx // s)) // bn) * bn
-    assert min(-(-ctx // per_split), s) == s
-    # 66 splits in groups of 8: 9 group records per head, 9 + 1 counters per KV head
-    assert partials_numel(8, 256, 66) == 8 * (66 + 9) * 258
-    assert counters_numel(2, 66) == 20 and counters_numel(2, 5) == 4
+    per_split = cdiv(cdiv(ctx, s), bn) * bn
+    assert min(cdiv(ctx, per_split), s) == s
 
 
 # the shipped decode table's tile for the 0.8B attention (whatever a re-tune puts there)
