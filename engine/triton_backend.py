@@ -265,6 +265,12 @@ class TritonBackend(Backend):
         add(self.lm_head_w, "rms", "plain")            # the sampled path's LM head
         self.gemv_partials = torch.zeros(need_p, device=self.device, dtype=torch.float32)
         self.gemv_counters = torch.zeros(need_c, device=self.device, dtype=torch.int32)
+        # short contexts: up to this many active splits the attention leaves its merge to the
+        # o_proj's prologue (the table's defer_splits; only while the o_proj's plan is the
+        # persistent form, see _layers_step), which saves the attention's ticket and merger
+        from tritonchat.kernels.attention_decode import attention_plan
+        self._attn_defer = attention_plan(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim).get("defer_splits", 0)
         lm = S.lm_head_plan(cfg.vocab_size, cfg.hidden_size, True)
         self._lm_plan = lm
         self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
@@ -299,7 +305,7 @@ class TritonBackend(Backend):
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
         GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
-        from tritonchat.kernels.attention_decode import attention_decode
+        from tritonchat.kernels.attention_decode import attention_decode, deferred_merge
         from tritonchat.kernels.gdn_decode import gdn_decode_core
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
@@ -328,14 +334,20 @@ class TritonBackend(Backend):
                 kc, vc = self.state.kv[i]
                 # bytes: the KV read is position dependent; counted at the current length
                 kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
+                o_plan = self._fplans[(tuple(m.o_proj.shape), "none", "residual")]
+                defer = self._attn_defer if o_plan.get("persistent", 0) else 0
                 self._launch("attention_decode", kv_bytes, attention_decode,
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
                              self.attn_counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits)
+                             rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits,
+                             defer_splits=defer)
+                merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, self.attn_partials, num_heads=H,
+                                        num_kv_heads=KV, head_dim=hd, num_splits=self.attn_splits,
+                                        defer_splits=defer) if defer else None)
                 self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",
-                           residual=self.h)
+                           residual=self.h, merge=merge)
             self._gemv("gemv_mlp_gate_up_norm_silu", self.h, L.gate_up, self.act, "rms", "silu_mul",
                        norm_w=L.post_norm, eps=eps, silu_mul=True)
             self._gemv("gemv_mlp_down", self.act, L.down, self.h, "none", "residual", residual=self.h)

@@ -31,6 +31,7 @@ the ticket, a second "combine" launch did the merge: one kernel boundary more pe
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -146,7 +147,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
-                        MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr,
+                        MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DEFER: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     kvh = tl.program_id(0)
@@ -168,10 +169,8 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
     # ahead, so there everything is read after the wait.
     if PDL == 2:
         _gemv._pdl_wait(PDL)
-    p = tl.load(pos_ptr).to(tl.int32)
+    p, per_split, n_active = split_layout(pos_ptr, NUM_SPLITS, BLOCK_N)
     n_tok = p + 1
-    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_active = tl.minimum(tl.cdiv(n_tok, per_split), NUM_SPLITS)
     # splits past the end hold no position: they exit (and take no ticket)
     if split < n_active:
         start = split * per_split
@@ -247,67 +246,71 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
         tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
 
-        # The merge (no second launch). Up to ONE_LEVEL splits: the split drawing the last
-        # ticket merges them all, MERGE at a time (every load of a chunk in flight together).
-        # More: two levels of tickets. The splits form groups of MERGE; the split that finishes
-        # last in its group merges the group and stores the group's partial; the group merger
-        # that finishes last merges the group partials. Every partial store is issued before its
-        # ticket (release), the last ticket reads them (acquire), and each counter is reset by
-        # the program that drew its last ticket, ready for the next launch. (At 32K one merger
-        # reading the 66 splits in turn took 10.5 us; at ~20 splits the two levels' second
-        # ticket costs more than the chunks it saves.)
-        tl.debug_barrier()
-        NG: tl.constexpr = (NUM_SPLITS + MERGE - 1) // MERGE
-        two = n_active > ONE_LEVEL
-        grp = tl.where(two, split // MERGE, 0)
-        g_lo = grp * MERGE
-        g_hi = tl.where(two, tl.minimum(g_lo + MERGE, n_active), n_active)
-        n_groups = tl.where(two, tl.cdiv(n_active, MERGE), 1)
-        cnt_kv = cnt_ptr + kvh * (NG + 1)
-        ticket = tl.atomic_add(cnt_kv + grp, 1, sem="acq_rel", scope="gpu")
-        if ticket == g_hi - g_lo - 1:
-            offs_g = tl.arange(0, BLOCK_G)
-            g_mask = offs_g < GROUP
-            hrow = kvh * GROUP + offs_g
-            gd_mask = g_mask[:, None] & d_mask[None, :]
-            # the output gates, in flight with the first chunk (used only by the final merger)
-            gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :],
-                           mask=gd_mask, other=0.0).to(tl.float32)
-            run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-            num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-            den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-            for c0 in range(g_lo, g_hi, MERGE):
-                run_max, num, den = _merge_chunk(part_ptr, ml_ptr, hrow, g_mask, NUM_SPLITS, c0,
-                                                 g_hi, run_max, num, den, offs_d, d_mask, HD,
-                                                 MERGE)
-            tl.atomic_xchg(cnt_kv + grp, 0, sem="relaxed", scope="gpu")
-            last = n_groups == 1
-            if n_groups > 1:
-                # this group's partial: (num, run_max, den) in the split partials' format
-                gacc_ptr = ml_ptr + NUM_HEADS * NUM_SPLITS * 2
-                gml_ptr = gacc_ptr + NUM_HEADS * NG * HD
-                grec = hrow.to(tl.int64) * NG + grp
-                tl.store(gacc_ptr + grec[:, None] * HD + offs_d[None, :], num, mask=gd_mask)
-                tl.store(gml_ptr + grec * 2, run_max, mask=g_mask)
-                tl.store(gml_ptr + grec * 2 + 1, den, mask=g_mask)
-                tl.debug_barrier()
-                t_top = tl.atomic_add(cnt_kv + NG, 1, sem="acq_rel", scope="gpu")
-                last = t_top == n_groups - 1
+        # Up to DEFER active splits the merge is the consumer's: the o_proj's prologue reads the
+        # partials after its wait (merge_partials), so this launch ends at the partial stores,
+        # with no ticket and no merger, and does not write `out`.
+        if n_active > DEFER:
+            # The merge (no second launch). Up to ONE_LEVEL splits: the split drawing the last
+            # ticket merges them all, MERGE at a time (every load of a chunk in flight
+            # together). More: two levels of tickets. The splits form groups of MERGE; the split
+            # that finishes last in its group merges the group and stores the group's partial;
+            # the group merger that finishes last merges the group partials. Every partial store
+            # is issued before its ticket (release), the last ticket reads them (acquire), and
+            # each counter is reset by the program that drew its last ticket, ready for the next
+            # launch. (At 32K one merger reading the 66 splits in turn took 10.5 us; at ~20
+            # splits the two levels' second ticket costs more than the chunks it saves.)
+            tl.debug_barrier()
+            NG: tl.constexpr = (NUM_SPLITS + MERGE - 1) // MERGE
+            two = n_active > ONE_LEVEL
+            grp = tl.where(two, split // MERGE, 0)
+            g_lo = grp * MERGE
+            g_hi = tl.where(two, tl.minimum(g_lo + MERGE, n_active), n_active)
+            n_groups = tl.where(two, tl.cdiv(n_active, MERGE), 1)
+            cnt_kv = cnt_ptr + kvh * (NG + 1)
+            ticket = tl.atomic_add(cnt_kv + grp, 1, sem="acq_rel", scope="gpu")
+            if ticket == g_hi - g_lo - 1:
+                offs_g = tl.arange(0, BLOCK_G)
+                g_mask = offs_g < GROUP
+                hrow = kvh * GROUP + offs_g
+                gd_mask = g_mask[:, None] & d_mask[None, :]
+                # the output gates, in flight with the first chunk (used only by the final merger)
+                gate = tl.load(qg_ptr + hrow[:, None] * (2 * HD) + HD + offs_d[None, :],
+                               mask=gd_mask, other=0.0).to(tl.float32)
+                run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+                num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                for c0 in range(g_lo, g_hi, MERGE):
+                    run_max, num, den = _merge_chunk(part_ptr, ml_ptr, hrow, g_mask, NUM_SPLITS, c0,
+                                                     g_hi, run_max, num, den, offs_d, d_mask, HD,
+                                                     MERGE)
+                tl.atomic_xchg(cnt_kv + grp, 0, sem="relaxed", scope="gpu")
+                last = n_groups == 1
+                if n_groups > 1:
+                    # this group's partial: (num, run_max, den) in the split partials' format
+                    gacc_ptr = ml_ptr + NUM_HEADS * NUM_SPLITS * 2
+                    gml_ptr = gacc_ptr + NUM_HEADS * NG * HD
+                    grec = hrow.to(tl.int64) * NG + grp
+                    tl.store(gacc_ptr + grec[:, None] * HD + offs_d[None, :], num, mask=gd_mask)
+                    tl.store(gml_ptr + grec * 2, run_max, mask=g_mask)
+                    tl.store(gml_ptr + grec * 2 + 1, den, mask=g_mask)
+                    tl.debug_barrier()
+                    t_top = tl.atomic_add(cnt_kv + NG, 1, sem="acq_rel", scope="gpu")
+                    last = t_top == n_groups - 1
+                    if last:
+                        run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+                        num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                        den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                        for c0 in range(0, n_groups, MERGE_TOP):
+                            run_max, num, den = _merge_chunk(gacc_ptr, gml_ptr, hrow, g_mask, NG,
+                                                             c0, n_groups, run_max, num, den,
+                                                             offs_d, d_mask, HD, MERGE_TOP)
+                        tl.atomic_xchg(cnt_kv + NG, 0, sem="relaxed", scope="gpu")
                 if last:
-                    run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-                    num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-                    den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-                    for c0 in range(0, n_groups, MERGE_TOP):
-                        run_max, num, den = _merge_chunk(gacc_ptr, gml_ptr, hrow, g_mask, NG, c0,
-                                                         n_groups, run_max, num, den, offs_d,
-                                                         d_mask, HD, MERGE_TOP)
-                    tl.atomic_xchg(cnt_kv + NG, 0, sem="relaxed", scope="gpu")
-            if last:
-                o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-                o = o.to(act).to(tl.float32)
-                sg = tl.sigmoid(gate).to(act).to(tl.float32)
-                tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
-                         mask=gd_mask)
+                    o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                    o = o.to(act).to(tl.float32)
+                    sg = tl.sigmoid(gate).to(act).to(tl.float32)
+                    tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
+                             mask=gd_mask)
 
 
 @triton.jit
@@ -341,6 +344,50 @@ def _merge_chunk(acc_ptr, ml_ptr, hrow, g_mask, N_REC, lo, n_valid, run_max, num
         w_i = tl.sum(tl.where(offs_c[:, None] == i, w_c, 0.0), axis=0)   # row i
         num += w_i[:, None] * a_rows[i]
     return c_max, num, den
+
+
+@triton.jit
+def split_layout(pos_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(p, positions per split, active splits) of the launch at the position in pos_ptr."""
+    p = tl.load(pos_ptr).to(tl.int32)
+    n_tok = p + 1
+    per_split = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return p, per_split, tl.minimum(tl.cdiv(n_tok, per_split), NUM_SPLITS)
+
+
+@triton.jit
+def merge_partials(part_ptr, hh, dd, n_active, NUM_SPLITS: tl.constexpr,
+                   NUM_HEADS: tl.constexpr, HD: tl.constexpr, DEFER: tl.constexpr):
+    """The attention output (fp32, not rounded) of the heads hh ([R, 1]) at the dims dd
+    ([1, HD]), merged from the partials of the first n_active <= DEFER splits that a launch
+    with defer_splits >= n_active left: every load issued first (one L2 round trip; .cg: the
+    partials were written by other SMs), then the max-rescaled sum in split order."""
+    ml_ptr = part_ptr + NUM_HEADS * NUM_SPLITS * HD
+    rec = hh.to(tl.int64) * NUM_SPLITS
+    accs = ()
+    for s in tl.static_range(DEFER):
+        ok = (hh * 0 + s) < n_active
+        accs = accs + (tl.load(part_ptr + (rec + s) * HD + dd, mask=ok & (dd < HD), other=0.0,
+                               cache_modifier=".cg"),)
+    ms = ()
+    ls = ()
+    for s in tl.static_range(DEFER):
+        ok = (hh * 0 + s) < n_active
+        ms = ms + (tl.load(ml_ptr + (rec + s) * 2, mask=ok, other=float("-inf"),
+                           cache_modifier=".cg"),)
+        ls = ls + (tl.load(ml_ptr + (rec + s) * 2 + 1, mask=ok, other=0.0,
+                           cache_modifier=".cg"),)
+    m = ms[0]
+    for s in tl.static_range(1, DEFER):
+        m = tl.maximum(m, ms[s])
+    m = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros_like(ls[0])
+    num = tl.zeros_like(accs[0])
+    for s in tl.static_range(DEFER):
+        w = tl.exp2(ms[s] - m)
+        den += w * ls[s]
+        num += w * accs[s]
+    return num / tl.where(den > 0.0, den, 1.0)
 
 
 DEFAULT_MERGE = 8      # splits a merger reads at once (4 and 16 were slower on the H200)
@@ -381,19 +428,51 @@ def _expect(cond: bool, msg: str) -> None:
 
 
 def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """The decode table's launch plan for this attention shape (block_n, num_warps, num_stages;
+    """The decode table's launch plan for this attention shape (block_n, num_warps, num_stages,
+    and defer_splits: up to how many active splits the engine leaves the merge to the o_proj;
     any may be absent): measured in the captured step on the device, see decode_tuning.json.
     {} when the table has no entry (the sizes chosen in attention_decode apply)."""
     e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     plan = {}
-    for k in ("block_n", "num_warps", "num_stages"):
+    for k in ("block_n", "num_warps", "num_stages", "defer_splits"):
         try:
             v = int(e[k]) if e is not None and k in e else 0
         except (TypeError, ValueError):
             v = 0
-        if v > 0 and (k != "block_n" or v & (v - 1) == 0):
+        if k == "block_n":
+            v = v if v & (v - 1) == 0 else 0
+        elif k == "defer_splits":
+            v = min(v, MAX_DEFER)
+        if v > 0:
             plan[k] = v
     return plan
+
+
+MAX_DEFER = 16         # partials a consumer merges at once (in registers: ~8 per split a thread)
+
+
+class DeferredMerge(NamedTuple):
+    """What the consumer of a launch with defer_splits > 0 reads: the launch's partials, its
+    position and q|gate projection (the consumer applies the output gate), and its shape.
+    block_n and num_splits must be the launch's (deferred_merge() builds it so)."""
+    partials: torch.Tensor
+    pos: torch.Tensor
+    qg: torch.Tensor
+    num_heads: int
+    head_dim: int
+    num_splits: int
+    block_n: int
+    defer_splits: int
+
+
+def deferred_merge(qg: torch.Tensor, pos: torch.Tensor, partials: torch.Tensor, *,
+                   num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int,
+                   defer_splits: int, block_n: int | None = None) -> DeferredMerge:
+    """The DeferredMerge of attention_decode(qg, ..., pos, ..., partials, num_splits=...,
+    defer_splits=..., block_n=...) (block_n None: the launch's default, tile_positions)."""
+    bn = int(block_n or tile_positions(num_heads, num_kv_heads, head_dim))
+    return DeferredMerge(partials, pos, qg, int(num_heads), int(head_dim), int(num_splits), bn,
+                         int(defer_splits))
 
 
 def tile_positions(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -411,7 +490,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
                      num_splits: int, block_n: int | None = None,
                      merge_splits: int | None = None, one_level_splits: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     defer_splits: int = 0) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
@@ -425,7 +505,10 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     splits one merger reads them all; more are merged in two levels; ONE_LEVEL_CHUNKS x
     merge_splits), num_warps and num_stages (the software pipelining of the K/V tile loop)
     default to the decode table's plan for the shape (attention_plan), else to sizes chosen
-    here. Returns out."""
+    here. defer_splits = D > 0: at positions with at most D active splits the launch stops at
+    the split partials and leaves `out` alone; its consumer merges them (gemv_fused with
+    merge=DeferredMerge(...), the o_proj's prologue), which also applies the output gate.
+    Returns out."""
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -477,12 +560,14 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # the group mergers' partials: one chunk of up to 16 records at a time
     merge_top = min(16, next_pow2(_n_groups(num_splits, merge)))
     one_level = ONE_LEVEL_CHUNKS * merge if one_level_splits is None else int(one_level_splits)
+    defer = int(defer_splits)
+    _expect(0 <= defer <= MAX_DEFER, f"defer_splits must be in 0..{MAX_DEFER}")
     _attn_decode_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
         float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
-        MERGE_TOP=merge_top, ONE_LEVEL=one_level,
+        MERGE_TOP=merge_top, ONE_LEVEL=one_level, DEFER=defer,
         DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
         **({"num_stages": int(num_stages)} if num_stages else {}), **_gemv._launch_kw(qg.device))
     return out

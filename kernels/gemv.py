@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_decode as _attn
 from .hostmath import cdiv, next_pow2
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -298,6 +299,9 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
 #             PRO_RMS      x = round(v * rsqrt(mean(v^2) + eps) * (1 + w))          (zero-centred)
 #             PRO_GATED    per value head j of width DV:
 #                          n = round(o_j * rsqrt(mean(o_j^2) + eps));  x_j = round(w * n * silu(z_j))
+#             PRO_ATTN     the attention's output merged from its split partials when its launch
+#                          left the merge (attention_decode defer_splits), gated:
+#                          x = round(round(o) * round(sigmoid(gate))); else x = v (persistent form)
 #   epilogue  EPI_PLAIN    out = y
 #             EPI_RESIDUAL out = residual + y                    (out may alias residual: h += W x)
 #             EPI_SILU_MUL out = silu(y_gate) * y_up              (W = [gate; up])
@@ -321,7 +325,7 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
 # the SPLIT_K partials in split order (deterministic, whatever order the programs finish in),
 # runs the epilogue and resets the counter to 0 for the next launch (so a CUDA graph replays it).
 
-PRO_NONE, PRO_RMS, PRO_GATED = 0, 1, 2
+PRO_NONE, PRO_RMS, PRO_GATED, PRO_ATTN = 0, 1, 2, 4
 EPI_PLAIN, EPI_RESIDUAL, EPI_SILU_MUL, EPI_CONV = 0, 1, 2, 3
 _EPILOGUES = {"plain": EPI_PLAIN, "residual": EPI_RESIDUAL, "silu_mul": EPI_SILU_MUL,
               "conv": EPI_CONV}
@@ -686,18 +690,21 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
 
 @triton.jit
 def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
-                                  conv_w_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
+                                  conv_w_ptr, ap_ptr, pos_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
                                   PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
                                   KW: tl.constexpr, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  PDL: tl.constexpr, A_NS: tl.constexpr, A_BN: tl.constexpr,
+                                  A_DEFER: tl.constexpr):
     # Persistent direct form (no split-K): NPROG programs (a few per SM) stride over the row
     # blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first tile is loaded before
     # the PDL wait, the input vector (and its norm) once per program, and each iteration loads
     # the next row block's tile before reducing the current one (one tile of look-ahead). Few,
     # resident programs leave room on the SMs for the next kernel's programs, which start their
     # own weight prefetch while this one streams. PRO_GATED here: K = (K / DV) heads x DV, both
-    # powers of two (the whole gated input is one [heads, DV] tile, flattened).
+    # powers of two (the whole gated input is one [heads, DV] tile, flattened); PRO_ATTN the
+    # same with the attention's heads (DV = head_dim; z_ptr = its q|gate projection, ap_ptr its
+    # split partials, A_NS / A_BN / A_DEFER its split count, tile and defer_splits).
     _pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
@@ -733,6 +740,28 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         n = (of * inv[:, None]).to(act).to(tl.float32)
         x = tl.reshape((nw[None, :] * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32),
                        (BLOCK_K,))
+    elif PRO == 4:
+        NHA: tl.constexpr = BLOCK_K // DV
+        hh = tl.arange(0, NHA)[:, None]
+        dd = tl.arange(0, DV)[None, :]
+        act = x_ptr.dtype.element_ty
+        # the position and the q|gate projection (two launches back) are final before the wait
+        # in PDL mode 1: the split layout, and the gates when this launch merges
+        if PDL == 2:
+            _pdl_wait(PDL)
+        p_, per_split_, n_active = _attn.split_layout(pos_ptr, A_NS, A_BN)
+        g = tl.zeros((NHA, DV), dtype=tl.float32)
+        if n_active <= A_DEFER:
+            g = tl.load(z_ptr + hh * (2 * DV) + DV + dd, eviction_policy="evict_last")
+            g = tl.sigmoid(g.to(tl.float32)).to(act).to(tl.float32)
+        if PDL != 2:
+            _pdl_wait(PDL)
+        if n_active <= A_DEFER:
+            o = _attn.merge_partials(ap_ptr, hh, dd, n_active, A_NS, NHA, DV, A_DEFER)
+            xo = (o.to(act).to(tl.float32) * g).to(act).to(tl.float32)
+        else:
+            xo = tl.load(x_ptr + hh * DV + dd, eviction_policy="evict_last").to(tl.float32)
+        x = tl.reshape(xo, (BLOCK_K,))
     else:
         nw0 = _nw_first(nw_ptr, ks, k_ok, PRO, MASK_K)
         _pdl_wait(PDL)
@@ -875,7 +904,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                split_k: Optional[int] = None, partials: Optional[torch.Tensor] = None,
                counters: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
                block_k: Optional[int] = None, num_warps: Optional[int] = None,
-               persistent: Optional[int] = None) -> torch.Tensor:
+               persistent: Optional[int] = None, merge=None) -> torch.Tensor:
     """One fused decode GEMV (see the block comment above); returns out.
 
     Prologue: none; `norm_w` alone = zero-centred RMSNorm of x (norm_w [K]); `norm_w` + `gate`
@@ -887,7 +916,10 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     split_k > 1 needs `partials` (fp32) and `counters` (int32, zeroed once) of
     fused_scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
     P programs per SM stride over the row blocks, each row's whole K one tile (block_k is
-    ignored). Block sizes default to fused_plan(). Never allocates/syncs."""
+    ignored). `merge` (attention_decode.DeferredMerge, persistent form only): x is the gated
+    attention output, merged here from the split partials at positions where the attention's
+    launch left the merge (x = its `out` elsewhere). Block sizes default to fused_plan().
+    Never allocates/syncs."""
     _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in _DTYPES,
             "gemv_fused: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
@@ -902,7 +934,30 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
 
     pro_name, pro = "none", PRO_NONE
     dv = 1
-    if gate is not None:
+    if merge is not None:
+        from .attention_decode import MAX_DEFER, partials_numel as attn_partials_numel
+        dv, nh = int(merge.head_dim), int(merge.num_heads)
+        _expect(gate is None and norm_w is None and conv_state is None and not silu_mul,
+                "gemv_fused: the attention merge is a prologue of its own")
+        _expect(nh * dv == K and dv & (dv - 1) == 0 and nh & (nh - 1) == 0,
+                f"gemv_fused: the merge needs K = heads x head_dim, both powers of two (K={K})")
+        _expect(merge.qg.numel() == 2 * K and merge.qg.is_contiguous() and merge.qg.device == dev,
+                f"gemv_fused: the merge's q|gate projection must hold {2 * K} values")
+        _expect(merge.pos.numel() == 1 and merge.pos.dtype in (torch.int32, torch.int64)
+                and merge.pos.device == dev, "gemv_fused: the merge's pos must be one device int")
+        need = attn_partials_numel(nh, dv, int(merge.num_splits))
+        _expect(merge.partials.dtype == torch.float32 and merge.partials.is_contiguous()
+                and merge.partials.numel() >= need and merge.partials.device == dev,
+                f"gemv_fused: the merge's partials must be float32 with >= {need} elements")
+        _expect(0 <= int(merge.defer_splits) <= MAX_DEFER and int(merge.block_n) >= 1,
+                "gemv_fused: the merge's defer_splits / block_n are out of range")
+        _expect(persistent is None or int(persistent) > 0,
+                "gemv_fused: the attention merge runs in the persistent form")
+        _expect(split_k in (None, 1), "gemv_fused: the attention merge takes no split-K")
+        persistent = 1 if persistent is None else persistent
+        split_k = 1
+        pro_name, pro = "attn", PRO_ATTN
+    elif gate is not None:
         dv = int(head_dim)
         _expect(norm_w is not None and dv >= 1 and K % dv == 0,
                 "gemv_fused: the gated norm needs norm_w and a head_dim dividing K")
@@ -969,11 +1024,16 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
         bk = max(16, next_pow2(K))
         nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
+        zp = merge.qg if merge is not None else gate if gate is not None else x
+        ap, pp = (merge.partials, merge.pos) if merge is not None else (x, x)
+        attn_kw = (dict(A_NS=int(merge.num_splits), A_BN=int(merge.block_n),
+                        A_DEFER=int(merge.defer_splits)) if merge is not None
+                   else dict(A_NS=1, A_BN=1, A_DEFER=0))
         _fused_gemv_persistent_kernel[(nprog,)](
-            x, gate if gate is not None else x, norm_w if norm_w is not None else x, W, out, res,
-            cs, cw, n_out, K, W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw,
-            NPROG=nprog, BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl,
-            num_warps=num_warps, **_launch_kw(dev))
+            x, zp, norm_w if norm_w is not None else x, W, out, res, cs, cw, ap, pp, n_out, K,
+            W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, NPROG=nprog,
+            BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl, num_warps=num_warps,
+            **attn_kw, **_launch_kw(dev))
         return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),

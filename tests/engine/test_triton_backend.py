@@ -74,6 +74,29 @@ def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+@pytest.mark.parametrize("defer", [1, 2])
+def test_interpreter_attention_merge_in_the_o_proj_equals_reference(ckpt, defer):
+    """The attention leaving its merge to the o_proj's persistent prologue (what the engine does
+    at short contexts on the GPU, from the table's defer_splits): the reference's tokens and
+    logits. 2 splits of 64 positions are active past position 64: defer 2 merges them in the
+    o_proj, defer 1 in the attention (the o_proj then reads its output)."""
+    if "grouped" not in str(ckpt):
+        pytest.skip("the merge needs head counts and sizes that are powers of two")
+    cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
+    assert tri.attn_splits == 2
+    for L in tri.layers:
+        if hasattr(L.mixer, "o_proj"):
+            key = (tuple(L.mixer.o_proj.shape), "none", "residual")
+            tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
+    tri._attn_defer = defer
+    prompt = list(range(3, 3 + 66))
+    a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
+    b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_sampling_reproducible_and_in_vocab(ckpt):
     if "odd" in str(ckpt):
         pytest.skip("sampling is shape-independent; covered on one checkpoint (the interpreter is slow)")

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from tritonchat.kernels.attention_decode import (attention_decode, attention_plan,
-                                                 counters_numel, partials_numel,
+                                                 counters_numel, deferred_merge, partials_numel,
                                                  plan_num_splits, tile_positions)
+from tritonchat.kernels.gemv import gemv_fused
 from tritonchat.kernels.hostmath import cdiv
-from tritonchat.kernels.reference import attention_decode_ref
+from tritonchat.kernels.reference import attention_decode_ref, gemv_fused_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -96,6 +97,41 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
     out, want, want_kc, want_vc = _step(qg, k, v, qn, kn, kc, vc, pos, H, Hkv, hd, rot, splits,
                                         dtype)
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pos,splits,defer", [(0, 4, 4), (BLOCK_N - 1, 4, 1), (BLOCK_N, 4, 2),
+                                              (40, 4, 2), (40, 4, 3), (63, 8, 4), (64, 8, 4),
+                                              (70, 8, 16)])
+def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
+    """attention_decode(defer_splits=D), then the o_proj (gemv_fused with merge=, residual)
+    equals the reference attention, output gate and o_proj: with <= D active splits the o_proj
+    merges the split partials itself (and `out` is left untouched), with more it reads the
+    attention's own merge (active splits here: 1, 1, 2, 3, 3, 4, 5, 5)."""
+    H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24          # K = 128: heads and head size powers of 2
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 96, pos, dtype, seed=pos + 7 * defer)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
+    h = torch.randn(n_out, generator=g).to(DEVICE, dtype)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
+              eps=EPS)
+    o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
+    want, _ = gemv_fused_ref(o_ref, W, residual=h)
+    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
+    partials = torch.full((partials_numel(H, hd, splits),), float("nan"), device=DEVICE)
+    counters = torch.zeros(counters_numel(Hkv, splits), device=DEVICE, dtype=torch.int32)
+    p = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
+    attention_decode(qg, k, v, qn, kn, kc, vc, p, out, partials, counters, num_splits=splits,
+                     block_n=BLOCK_N, defer_splits=defer, **kw)
+    per_split = cdiv(cdiv(pos + 1, splits), BLOCK_N) * BLOCK_N
+    deferred = min(cdiv(pos + 1, per_split), splits) <= defer
+    assert torch.isnan(out).all() == deferred and not counters.any()
+    m = deferred_merge(qg, p, partials, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
+                       num_splits=splits, defer_splits=defer, block_n=BLOCK_N)
+    y = h.clone()
+    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
+    tol = {k2: 2 * v2 for k2, v2 in _tol(dtype).items()}
+    torch.testing.assert_close(y, want, **tol)
 
 
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
@@ -272,3 +308,52 @@ def test_gpu_attention_cuda_graph_replay():
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want, **_tol(dtype))
         torch.testing.assert_close(kc[:, p], want_kc[:, p], rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch):
+    """The engine's short-context form at the 0.8B shape: the attention leaving up to 12 active
+    splits to the persistent o_proj, both captured in one CUDA graph with PDL (the o_proj reads
+    the position and the gates before its wait), replayed at positions on both sides of the
+    limit (768 positions = 12 splits of 64), against the reference attention and o_proj."""
+    import tritonchat.kernels.gemv as gemv_mod
+    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    H, Hkv, hd, rot, dtype, n_out, defer = 8, 2, 256, 64, torch.bfloat16, 1024, 12
+    bn = tile_positions(H, Hkv, hd)
+    splits = plan_num_splits(33280, Hkv, block_n=bn)
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 2048, 1500, dtype, seed=11)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
+    h0 = torch.randn(n_out, generator=g).to(DEVICE, dtype)
+    out = torch.empty(H * hd, device=DEVICE, dtype=dtype)
+    part = torch.empty(partials_numel(H, hd, splits), device=DEVICE)
+    cnt = torch.zeros(counters_numel(Hkv, splits), device=DEVICE, dtype=torch.int32)
+    pos = torch.tensor([5], device=DEVICE, dtype=torch.int32)
+    y = torch.empty_like(h0)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=1e7,
+              eps=EPS)
+    merge = deferred_merge(qg, pos, part, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
+                           num_splits=splits, defer_splits=defer)
+
+    def step():
+        attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, num_splits=splits,
+                         defer_splits=defer, **kw)
+        y.copy_(h0)
+        gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1)
+
+    step()                                  # JIT before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for p in (1400, 768, 767, 700, 64, 5):     # descending: the NaN fill keeps 0..p-1 intact
+        kc[:, p:] = float("nan")
+        vc[:, p:] = float("nan")
+        o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, p, **kw)
+        want, _ = gemv_fused_ref(o_ref, W, residual=h0)
+        out.fill_(float("nan"))
+        pos.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool(torch.isnan(out).all()) == (cdiv(p + 1, bn) <= defer), p
+        torch.testing.assert_close(y, want, rtol=6e-2, atol=6e-2)
+        assert not cnt.any()
