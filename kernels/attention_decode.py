@@ -27,6 +27,9 @@ of tickets: the last split of each group of MERGE merges its group, and the grou
 drawing the KV head's last ticket merges the group partials, in order. The final merger rounds,
 gates and stores the heads' outputs; each counter is reset by its last ticket's holder. (Until
 the ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
+With defer_splits = D, at positions with at most D active splits the launch ends at the
+partial stores and its consumer merges them (merge_partials, in the o_proj's prologue: one L2
+round trip instead of the ticket's release/acquire and the merger's round trips).
 """
 from __future__ import annotations
 
