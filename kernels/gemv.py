@@ -935,7 +935,6 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     pro_name, pro = "none", PRO_NONE
     dv = 1
     if merge is not None:
-        from .attention_decode import MAX_DEFER, partials_numel as attn_partials_numel
         dv, nh = int(merge.head_dim), int(merge.num_heads)
         _expect(gate is None and norm_w is None and conv_state is None and not silu_mul,
                 "gemv_fused: the attention merge is a prologue of its own")
@@ -945,11 +944,11 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                 f"gemv_fused: the merge's q|gate projection must hold {2 * K} values")
         _expect(merge.pos.numel() == 1 and merge.pos.dtype in (torch.int32, torch.int64)
                 and merge.pos.device == dev, "gemv_fused: the merge's pos must be one device int")
-        need = attn_partials_numel(nh, dv, int(merge.num_splits))
+        need = _attn.partials_numel(nh, dv, int(merge.num_splits))
         _expect(merge.partials.dtype == torch.float32 and merge.partials.is_contiguous()
                 and merge.partials.numel() >= need and merge.partials.device == dev,
                 f"gemv_fused: the merge's partials must be float32 with >= {need} elements")
-        _expect(0 <= int(merge.defer_splits) <= MAX_DEFER and int(merge.block_n) >= 1,
+        _expect(0 <= int(merge.defer_splits) <= _attn.MAX_DEFER and int(merge.block_n) >= 1,
                 "gemv_fused: the merge's defer_splits / block_n are out of range")
         _expect(persistent is None or int(persistent) > 0,
                 "gemv_fused: the attention merge runs in the persistent form")

@@ -134,6 +134,34 @@ def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
     torch.testing.assert_close(y, want, **tol)
 
 
+def test_attention_merge_in_the_o_proj_validates():
+    H, Hkv, hd, n_out, splits = 4, 2, 32, 8, 4
+    x = torch.zeros(H * hd, device=DEVICE)
+    W = torch.zeros(n_out, H * hd, device=DEVICE)
+    y = torch.zeros(n_out, device=DEVICE)
+    qg = torch.zeros(2 * H * hd, device=DEVICE)
+    p = torch.zeros(1, device=DEVICE, dtype=torch.int32)
+    part = torch.zeros(partials_numel(H, hd, splits), device=DEVICE)
+    m = deferred_merge(qg, p, part, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
+                       num_splits=splits, defer_splits=4, block_n=BLOCK_N)
+    with pytest.raises(ValueError):       # the grid form cannot merge
+        gemv_fused(x, W, y, residual=y, merge=m, persistent=0)
+    with pytest.raises(ValueError):       # K is not heads x head_dim
+        gemv_fused(x[:64], W[:, :64].contiguous(), y, residual=y, merge=m)
+    with pytest.raises(ValueError):       # partials sized for fewer splits
+        gemv_fused(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
+    with pytest.raises(ValueError):       # more than a consumer merges at once
+        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=64))
+    with pytest.raises(ValueError):
+        attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
+                         torch.zeros(Hkv, 16, hd, device=DEVICE),
+                         torch.zeros(Hkv, 16, hd, device=DEVICE), p, x, part,
+                         torch.zeros(counters_numel(Hkv, splits), device=DEVICE,
+                                     dtype=torch.int32),
+                         num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=16,
+                         rope_theta=THETA, eps=EPS, num_splits=splits, defer_splits=64)
+
+
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
 @pytest.mark.parametrize("merge_splits", [1, 2, 4, 8])
 @pytest.mark.parametrize("pos", [16 * 7 - 1, 16 * 7, 16 * 7 + 1])
