@@ -99,6 +99,20 @@ def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]
 SWEEP_POSITIONS = (2048, 8192)     # decode speed at these filled contexts too (--compare)
 
 
+def decode_steps(be, tok: int, n: int) -> int:
+    """n greedy decode steps from tok, run as the generator runs them (the app's path): the step
+    after each one is queued on the device (launch_next) before the host reads that one's
+    token, so the host's turnaround overlaps the GPU's work. Returns the last token."""
+    be.launch_step(tok)
+    for i in range(n):
+        more = i + 1 < n
+        ahead = more and be.launch_next()
+        tok = be.finish_step()
+        if more and not ahead:
+            be.launch_step(tok)
+    return tok
+
+
 def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -> dict:
     """Decode speed with `position` tokens already in the KV cache (filled with random values:
     speed does not depend on them) against that position's own roofline (KV bytes included)."""
@@ -114,12 +128,10 @@ def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -
     be._pending_head = True
     be.begin_sampling(SamplingParams(greedy=True), [])
     tok = be.sample()
-    for _ in range(8):
-        tok = be.step(tok)
+    tok = decode_steps(be, tok, 8)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        tok = be.step(tok)
+    decode_steps(be, tok, new_tokens)
     dt = time.perf_counter() - t0
     mid = position + 8 + new_tokens // 2
     nbytes = cfg.decode_bytes_per_token(2, context=mid)

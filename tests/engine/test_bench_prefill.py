@@ -42,3 +42,41 @@ def test_prefill_table_reports_the_median_of_the_runs(monkeypatch):
     prefills = [c for c in be.calls if isinstance(c, tuple)]
     assert prefills == [("prefill", 64)] * 4
     assert be.calls.count("reset") >= 4 + 1
+
+
+class _QueueBackend:
+    """A device that computes token t -> t + 1 for each launched step, in order."""
+
+    def __init__(self, can_queue):
+        self.can_queue = can_queue
+        self.queue, self.launched, self.most_in_flight = [], 0, 0
+
+    def _push(self, tok):
+        self.queue.append(tok + 1)
+        self.launched += 1
+        self.most_in_flight = max(self.most_in_flight, len(self.queue))
+
+    def launch_step(self, tok):
+        assert not self.queue, "launch_step with a step in flight: its token was not read"
+        self._push(tok)
+
+    def launch_next(self):
+        if not self.can_queue or not self.queue:
+            return False
+        self._push(self.queue[-1])
+        return True
+
+    def finish_step(self):
+        return self.queue.pop(0)
+
+
+def test_decode_steps_queue_the_next_step_like_the_generator():
+    """The long-context rows decode as the app does: the next step is queued before the host
+    reads a token (two in flight), every step runs on the previous one's token, none is left
+    in flight; a backend that cannot queue falls back to one step at a time."""
+    for can_queue, most in ((True, 2), (False, 1)):
+        be = _QueueBackend(can_queue)
+        assert bench.decode_steps(be, 5, 10) == 15
+        assert be.launched == 10 and not be.queue and be.most_in_flight == most
+        be = _QueueBackend(can_queue)
+        assert bench.decode_steps(be, 7, 1) == 8 and be.launched == 1 and not be.queue
