@@ -267,10 +267,14 @@ class TritonBackend(Backend):
         self.gemv_counters = torch.zeros(need_c, device=self.device, dtype=torch.int32)
         # short contexts: up to this many active splits the attention leaves its merge to the
         # o_proj's prologue (the table's defer_splits; only while the o_proj's plan is the
-        # persistent form, see _layers_step), which saves the attention's ticket and merger
-        from tritonchat.kernels.attention_decode import attention_plan
-        self._attn_defer = attention_plan(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.head_dim).get("defer_splits", 0)
+        # persistent form, see _layers_step), which saves the attention's ticket and merger;
+        # with the table's defer_groups (where the merge groups are few enough), past them it
+        # leaves the merge of its groups' partials too, which saves the second ticket
+        from tritonchat.kernels.attention_decode import attention_plan, groups_deferrable
+        a_plan = attention_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self._attn_defer = a_plan.get("defer_splits", 0)
+        self._attn_defer_groups = bool(a_plan.get("defer_groups", 0)) and groups_deferrable(
+            self.attn_splits, self._attn_defer)
         lm = S.lm_head_plan(cfg.vocab_size, cfg.hidden_size, True)
         self._lm_plan = lm
         self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
@@ -336,16 +340,17 @@ class TritonBackend(Backend):
                 kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
                 o_plan = self._fplans[(tuple(m.o_proj.shape), "none", "residual")]
                 defer = self._attn_defer if o_plan.get("persistent", 0) else 0
+                groups = bool(defer) and self._attn_defer_groups
                 self._launch("attention_decode", kv_bytes, attention_decode,
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
                              self.attn_counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
                              rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits,
-                             defer_splits=defer)
+                             defer_splits=defer, defer_groups=groups)
                 merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, self.attn_partials, num_heads=H,
                                         num_kv_heads=KV, head_dim=hd, num_splits=self.attn_splits,
-                                        defer_splits=defer) if defer else None)
+                                        defer_splits=defer, defer_groups=groups) if defer else None)
                 self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",
                            residual=self.h, merge=merge)
             self._gemv("gemv_mlp_gate_up_norm_silu", self.h, L.gate_up, self.act, "rms", "silu_mul",

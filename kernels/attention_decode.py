@@ -29,7 +29,10 @@ gates and stores the heads' outputs; each counter is reset by its last ticket's 
 the ticket, a second "combine" launch did the merge: one kernel boundary more per layer.)
 With defer_splits = D, at positions with at most D active splits the launch ends at the
 partial stores and its consumer merges them (merge_partials, in the o_proj's prologue: one L2
-round trip instead of the ticket's release/acquire and the merger's round trips).
+round trip instead of the ticket's release/acquire and the merger's round trips). With
+defer_groups as well, past D splits every split is in a group of MERGE: the group's last ticket
+merges the group and stores its partial, and the consumer merges the (at most D) group
+partials: no second ticket, no final merger.
 """
 from __future__ import annotations
 
@@ -151,7 +154,8 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
                         MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DEFER: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        DEFER_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -287,33 +291,41 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                                                      g_hi, run_max, num, den, offs_d, d_mask, HD,
                                                      MERGE)
                 tl.atomic_xchg(cnt_kv + grp, 0, sem="relaxed", scope="gpu")
-                last = n_groups == 1
-                if n_groups > 1:
-                    # this group's partial: (num, run_max, den) in the split partials' format
-                    gacc_ptr = ml_ptr + NUM_HEADS * NUM_SPLITS * 2
-                    gml_ptr = gacc_ptr + NUM_HEADS * NG * HD
-                    grec = hrow.to(tl.int64) * NG + grp
+                # this group's partial: (num, run_max, den) in the split partials' format
+                gacc_ptr = ml_ptr + NUM_HEADS * NUM_SPLITS * 2
+                gml_ptr = gacc_ptr + NUM_HEADS * NG * HD
+                grec = hrow.to(tl.int64) * NG + grp
+                if DEFER_GROUPS:
+                    # the consumer merges the group partials (merge_partials): no second ticket
                     tl.store(gacc_ptr + grec[:, None] * HD + offs_d[None, :], num, mask=gd_mask)
                     tl.store(gml_ptr + grec * 2, run_max, mask=g_mask)
                     tl.store(gml_ptr + grec * 2 + 1, den, mask=g_mask)
-                    tl.debug_barrier()
-                    t_top = tl.atomic_add(cnt_kv + NG, 1, sem="acq_rel", scope="gpu")
-                    last = t_top == n_groups - 1
+                else:
+                    last = n_groups == 1
+                    if n_groups > 1:
+                        tl.store(gacc_ptr + grec[:, None] * HD + offs_d[None, :], num,
+                                 mask=gd_mask)
+                        tl.store(gml_ptr + grec * 2, run_max, mask=g_mask)
+                        tl.store(gml_ptr + grec * 2 + 1, den, mask=g_mask)
+                        tl.debug_barrier()
+                        t_top = tl.atomic_add(cnt_kv + NG, 1, sem="acq_rel", scope="gpu")
+                        last = t_top == n_groups - 1
+                        if last:
+                            run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+                            num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                            den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                            for c0 in range(0, n_groups, MERGE_TOP):
+                                run_max, num, den = _merge_chunk(gacc_ptr, gml_ptr, hrow, g_mask,
+                                                                 NG, c0, n_groups, run_max, num,
+                                                                 den, offs_d, d_mask, HD,
+                                                                 MERGE_TOP)
+                            tl.atomic_xchg(cnt_kv + NG, 0, sem="relaxed", scope="gpu")
                     if last:
-                        run_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-                        num = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-                        den = tl.zeros((BLOCK_G,), dtype=tl.float32)
-                        for c0 in range(0, n_groups, MERGE_TOP):
-                            run_max, num, den = _merge_chunk(gacc_ptr, gml_ptr, hrow, g_mask, NG,
-                                                             c0, n_groups, run_max, num, den,
-                                                             offs_d, d_mask, HD, MERGE_TOP)
-                        tl.atomic_xchg(cnt_kv + NG, 0, sem="relaxed", scope="gpu")
-                if last:
-                    o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-                    o = o.to(act).to(tl.float32)
-                    sg = tl.sigmoid(gate).to(act).to(tl.float32)
-                    tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :], (o * sg).to(act),
-                             mask=gd_mask)
+                        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                        o = o.to(act).to(tl.float32)
+                        sg = tl.sigmoid(gate).to(act).to(tl.float32)
+                        tl.store(out_ptr + hrow[:, None] * HD + offs_d[None, :],
+                                 (o * sg).to(act), mask=gd_mask)
 
 
 @triton.jit
@@ -360,22 +372,40 @@ def split_layout(pos_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def merge_partials(part_ptr, hh, dd, n_active, NUM_SPLITS: tl.constexpr,
-                   NUM_HEADS: tl.constexpr, HD: tl.constexpr, DEFER: tl.constexpr):
+                   NUM_HEADS: tl.constexpr, HD: tl.constexpr, DEFER: tl.constexpr,
+                   MERGE: tl.constexpr, GROUPS: tl.constexpr):
     """The attention output (fp32, not rounded) of the heads hh ([R, 1]) at the dims dd
-    ([1, HD]), merged from the partials of the first n_active <= DEFER splits that a launch
-    with defer_splits >= n_active left: every load issued first (one L2 round trip; .cg: the
-    partials were written by other SMs), then the max-rescaled sum in split order."""
-    ml_ptr = part_ptr + NUM_HEADS * NUM_SPLITS * HD
-    rec = hh.to(tl.int64) * NUM_SPLITS
+    ([1, HD]) that a launch with defer_splits = DEFER left to its consumer: merged from the
+    partials of its n_active <= DEFER splits, or (GROUPS: a launch with defer_groups, past
+    DEFER splits) from the partials of its ceil(n_active / MERGE) <= DEFER merge groups. Every
+    load is issued first (one L2 round trip; .cg: the partials were written by other SMs),
+    then the max-rescaled sum in record order. (The record strides are selected at run time:
+    two branches with constant strides were no faster on the H200.)"""
+    if GROUPS:
+        NG: tl.constexpr = (NUM_SPLITS + MERGE - 1) // MERGE
+        GACC: tl.constexpr = NUM_HEADS * NUM_SPLITS * (HD + 2)
+        grp = n_active > DEFER
+        acc_off = tl.where(grp, GACC, 0)
+        ml_off = tl.where(grp, GACC + NUM_HEADS * NG * HD, NUM_HEADS * NUM_SPLITS * HD)
+        n_rec = tl.where(grp, NG, NUM_SPLITS)
+        n_valid = tl.where(grp, tl.cdiv(n_active, MERGE), n_active)
+    else:
+        acc_off = 0
+        ml_off = NUM_HEADS * NUM_SPLITS * HD
+        n_rec = NUM_SPLITS
+        n_valid = n_active
+    acc_ptr = part_ptr + acc_off
+    ml_ptr = part_ptr + ml_off
+    rec = hh.to(tl.int64) * n_rec
     accs = ()
     for s in tl.static_range(DEFER):
-        ok = (hh * 0 + s) < n_active
-        accs = accs + (tl.load(part_ptr + (rec + s) * HD + dd, mask=ok & (dd < HD), other=0.0,
+        ok = (hh * 0 + s) < n_valid
+        accs = accs + (tl.load(acc_ptr + (rec + s) * HD + dd, mask=ok & (dd < HD), other=0.0,
                                cache_modifier=".cg"),)
     ms = ()
     ls = ()
     for s in tl.static_range(DEFER):
-        ok = (hh * 0 + s) < n_active
+        ok = (hh * 0 + s) < n_valid
         ms = ms + (tl.load(ml_ptr + (rec + s) * 2, mask=ok, other=float("-inf"),
                            cache_modifier=".cg"),)
         ls = ls + (tl.load(ml_ptr + (rec + s) * 2 + 1, mask=ok, other=0.0,
@@ -432,12 +462,13 @@ def _expect(cond: bool, msg: str) -> None:
 
 def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """The decode table's launch plan for this attention shape (block_n, num_warps, num_stages,
-    and defer_splits: up to how many active splits the engine leaves the merge to the o_proj;
-    any may be absent): measured in the captured step on the device, see decode_tuning.json.
+    defer_splits: up to how many active splits the engine leaves the merge to the o_proj, and
+    defer_groups: 1 when past them it leaves the merge of the group partials too; any may be
+    absent): measured in the captured step on the device, see decode_tuning.json.
     {} when the table has no entry (the sizes chosen in attention_decode apply)."""
     e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     plan = {}
-    for k in ("block_n", "num_warps", "num_stages", "defer_splits"):
+    for k in ("block_n", "num_warps", "num_stages", "defer_splits", "defer_groups"):
         try:
             v = int(e[k]) if e is not None and k in e else 0
         except (TypeError, ValueError):
@@ -446,6 +477,8 @@ def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
             v = v if v & (v - 1) == 0 else 0
         elif k == "defer_splits":
             v = min(v, MAX_DEFER)
+        elif k == "defer_groups":
+            v = 1 if v else 0
         if v > 0:
             plan[k] = v
     return plan
@@ -457,7 +490,8 @@ MAX_DEFER = 16         # partials a consumer merges at once (in registers: ~8 pe
 class DeferredMerge(NamedTuple):
     """What the consumer of a launch with defer_splits > 0 reads: the launch's partials, its
     position and q|gate projection (the consumer applies the output gate), and its shape.
-    block_n and num_splits must be the launch's (deferred_merge() builds it so)."""
+    block_n, num_splits, merge_splits and defer_groups must be the launch's (deferred_merge()
+    builds it so)."""
     partials: torch.Tensor
     pos: torch.Tensor
     qg: torch.Tensor
@@ -466,16 +500,27 @@ class DeferredMerge(NamedTuple):
     num_splits: int
     block_n: int
     defer_splits: int
+    merge_splits: int = DEFAULT_MERGE
+    defer_groups: bool = False
 
 
 def deferred_merge(qg: torch.Tensor, pos: torch.Tensor, partials: torch.Tensor, *,
                    num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int,
-                   defer_splits: int, block_n: int | None = None) -> DeferredMerge:
+                   defer_splits: int, block_n: int | None = None,
+                   merge_splits: int | None = None, defer_groups: bool = False) -> DeferredMerge:
     """The DeferredMerge of attention_decode(qg, ..., pos, ..., partials, num_splits=...,
-    defer_splits=..., block_n=...) (block_n None: the launch's default, tile_positions)."""
+    defer_splits=..., block_n=..., merge_splits=..., defer_groups=...) (block_n None: the
+    launch's default, tile_positions; merge_splits None: DEFAULT_MERGE)."""
     bn = int(block_n or tile_positions(num_heads, num_kv_heads, head_dim))
     return DeferredMerge(partials, pos, qg, int(num_heads), int(head_dim), int(num_splits), bn,
-                         int(defer_splits))
+                         int(defer_splits), int(merge_splits or DEFAULT_MERGE), bool(defer_groups))
+
+
+def groups_deferrable(num_splits: int, defer_splits: int,
+                      merge_splits: int = DEFAULT_MERGE) -> bool:
+    """Whether a launch with these splits can take defer_groups: its consumer merges at most
+    defer_splits records, so the merge groups must number no more."""
+    return 0 < int(defer_splits) and _n_groups(num_splits, merge_splits) <= int(defer_splits)
 
 
 def tile_positions(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -494,7 +539,7 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      num_splits: int, block_n: int | None = None,
                      merge_splits: int | None = None, one_level_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     defer_splits: int = 0) -> torch.Tensor:
+                     defer_splits: int = 0, defer_groups: bool = False) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
@@ -511,6 +556,10 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     here. defer_splits = D > 0: at positions with at most D active splits the launch stops at
     the split partials and leaves `out` alone; its consumer merges them (gemv_fused with
     merge=DeferredMerge(...), the o_proj's prologue), which also applies the output gate.
+    defer_groups (with defer_splits = D, when the merge groups number at most D: see
+    groups_deferrable): past D active splits the launch merges each group of merge_splits
+    splits (its last ticket) and stops at the group partials, which the consumer merges; so no
+    position writes `out` and the group mergers draw no second ticket.
     Returns out."""
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
@@ -565,12 +614,17 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     one_level = ONE_LEVEL_CHUNKS * merge if one_level_splits is None else int(one_level_splits)
     defer = int(defer_splits)
     _expect(0 <= defer <= MAX_DEFER, f"defer_splits must be in 0..{MAX_DEFER}")
+    defer_groups = bool(defer_groups)
+    _expect(not defer_groups or groups_deferrable(num_splits, defer, merge),
+            f"defer_groups needs defer_splits >= the merge groups ({_n_groups(num_splits, merge)})")
+    if defer_groups:
+        one_level = 0                            # every active split is in a merge group
     _attn_decode_kernel[(Hkv, num_splits)](
         qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos, partials, counters, out, max_ctx,
         float(eps), float(hd) ** -0.5 * LOG2E, freq_log2_step,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
-        MERGE_TOP=merge_top, ONE_LEVEL=one_level, DEFER=defer,
+        MERGE_TOP=merge_top, ONE_LEVEL=one_level, DEFER=defer, DEFER_GROUPS=defer_groups,
         DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
         **({"num_stages": int(num_stages)} if num_stages else {}), **_gemv._launch_kw(qg.device))
     return out

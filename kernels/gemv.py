@@ -299,8 +299,9 @@ def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 
 #             PRO_RMS      x = round(v * rsqrt(mean(v^2) + eps) * (1 + w))          (zero-centred)
 #             PRO_GATED    per value head j of width DV:
 #                          n = round(o_j * rsqrt(mean(o_j^2) + eps));  x_j = round(w * n * silu(z_j))
-#             PRO_ATTN     the attention's output merged from its split partials when its launch
-#                          left the merge (attention_decode defer_splits), gated:
+#             PRO_ATTN     the attention's output merged from its split partials (or its merge
+#                          groups' partials) when its launch left the merge (attention_decode
+#                          defer_splits, defer_groups), gated:
 #                          x = round(round(o) * round(sigmoid(gate))); else x = v (persistent form)
 #   epilogue  EPI_PLAIN    out = y
 #             EPI_RESIDUAL out = residual + y                    (out may alias residual: h += W x)
@@ -695,7 +696,8 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
                                   KW: tl.constexpr, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
                                   PDL: tl.constexpr, A_NS: tl.constexpr, A_BN: tl.constexpr,
-                                  A_DEFER: tl.constexpr):
+                                  A_DEFER: tl.constexpr, A_MERGE: tl.constexpr,
+                                  A_GROUPS: tl.constexpr):
     # Persistent direct form (no split-K): NPROG programs (a few per SM) stride over the row
     # blocks; a row block's whole K (BLOCK_K >= K) is one tile. The first tile is loaded before
     # the PDL wait, the input vector (and its norm) once per program, and each iteration loads
@@ -704,7 +706,8 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
     # own weight prefetch while this one streams. PRO_GATED here: K = (K / DV) heads x DV, both
     # powers of two (the whole gated input is one [heads, DV] tile, flattened); PRO_ATTN the
     # same with the attention's heads (DV = head_dim; z_ptr = its q|gate projection, ap_ptr its
-    # split partials, A_NS / A_BN / A_DEFER its split count, tile and defer_splits).
+    # split partials, A_NS / A_BN / A_DEFER / A_MERGE / A_GROUPS its split count, tile,
+    # defer_splits, merge group size and defer_groups).
     _pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
@@ -750,14 +753,19 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         if PDL == 2:
             _pdl_wait(PDL)
         p_, per_split_, n_active = _attn.split_layout(pos_ptr, A_NS, A_BN)
+        if A_GROUPS:
+            merged = n_active > 0              # the split partials, or past A_DEFER the groups'
+        else:
+            merged = n_active <= A_DEFER
         g = tl.zeros((NHA, DV), dtype=tl.float32)
-        if n_active <= A_DEFER:
+        if merged:
             g = tl.load(z_ptr + hh * (2 * DV) + DV + dd, eviction_policy="evict_last")
             g = tl.sigmoid(g.to(tl.float32)).to(act).to(tl.float32)
         if PDL != 2:
             _pdl_wait(PDL)
-        if n_active <= A_DEFER:
-            o = _attn.merge_partials(ap_ptr, hh, dd, n_active, A_NS, NHA, DV, A_DEFER)
+        if merged:
+            o = _attn.merge_partials(ap_ptr, hh, dd, n_active, A_NS, NHA, DV, A_DEFER, A_MERGE,
+                                     A_GROUPS)
             xo = (o.to(act).to(tl.float32) * g).to(act).to(tl.float32)
         else:
             xo = tl.load(x_ptr + hh * DV + dd, eviction_policy="evict_last").to(tl.float32)
@@ -944,12 +952,18 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                 f"gemv_fused: the merge's q|gate projection must hold {2 * K} values")
         _expect(merge.pos.numel() == 1 and merge.pos.dtype in (torch.int32, torch.int64)
                 and merge.pos.device == dev, "gemv_fused: the merge's pos must be one device int")
-        need = _attn.partials_numel(nh, dv, int(merge.num_splits))
+        ms = int(merge.merge_splits)
+        _expect(ms >= 1 and ms & (ms - 1) == 0, "gemv_fused: the merge's merge_splits must be a "
+                "power of two")
+        need = _attn.partials_numel(nh, dv, int(merge.num_splits), ms)
         _expect(merge.partials.dtype == torch.float32 and merge.partials.is_contiguous()
                 and merge.partials.numel() >= need and merge.partials.device == dev,
                 f"gemv_fused: the merge's partials must be float32 with >= {need} elements")
         _expect(0 <= int(merge.defer_splits) <= _attn.MAX_DEFER and int(merge.block_n) >= 1,
                 "gemv_fused: the merge's defer_splits / block_n are out of range")
+        _expect(not merge.defer_groups
+                or _attn.groups_deferrable(int(merge.num_splits), int(merge.defer_splits), ms),
+                "gemv_fused: the merge's groups outnumber its defer_splits")
         _expect(persistent is None or int(persistent) > 0,
                 "gemv_fused: the attention merge runs in the persistent form")
         _expect(split_k in (None, 1), "gemv_fused: the attention merge takes no split-K")
@@ -1026,8 +1040,9 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         zp = merge.qg if merge is not None else gate if gate is not None else x
         ap, pp = (merge.partials, merge.pos) if merge is not None else (x, x)
         attn_kw = (dict(A_NS=int(merge.num_splits), A_BN=int(merge.block_n),
-                        A_DEFER=int(merge.defer_splits)) if merge is not None
-                   else dict(A_NS=1, A_BN=1, A_DEFER=0))
+                        A_DEFER=int(merge.defer_splits), A_MERGE=int(merge.merge_splits),
+                        A_GROUPS=bool(merge.defer_groups)) if merge is not None
+                   else dict(A_NS=1, A_BN=1, A_DEFER=0, A_MERGE=1, A_GROUPS=False))
         _fused_gemv_persistent_kernel[(nprog,)](
             x, zp, norm_w if norm_w is not None else x, W, out, res, cs, cw, ap, pp, n_out, K,
             W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, NPROG=nprog,

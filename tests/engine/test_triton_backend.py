@@ -74,12 +74,13 @@ def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
-@pytest.mark.parametrize("defer", [1, 2])
-def test_interpreter_attention_merge_in_the_o_proj_equals_reference(ckpt, defer):
+@pytest.mark.parametrize("defer,groups", [(1, False), (2, False), (1, True)])
+def test_interpreter_attention_merge_in_the_o_proj_equals_reference(ckpt, defer, groups):
     """The attention leaving its merge to the o_proj's persistent prologue (what the engine does
-    at short contexts on the GPU, from the table's defer_splits): the reference's tokens and
-    logits. 2 splits of 64 positions are active past position 64: defer 2 merges them in the
-    o_proj, defer 1 in the attention (the o_proj then reads its output)."""
+    at short contexts on the GPU, from the table's defer_splits and defer_groups): the
+    reference's tokens and logits. 2 splits of 64 positions are active past position 64: defer 2
+    merges them in the o_proj, defer 1 in the attention (the o_proj then reads its output),
+    defer 1 with groups in the attention's group merger and the o_proj (one group record)."""
     if "grouped" not in str(ckpt):
         pytest.skip("the merge needs head counts and sizes that are powers of two")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
@@ -89,6 +90,7 @@ def test_interpreter_attention_merge_in_the_o_proj_equals_reference(ckpt, defer)
             key = (tuple(L.mixer.o_proj.shape), "none", "residual")
             tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
     tri._attn_defer = defer
+    tri._attn_defer_groups = groups
     prompt = list(range(3, 3 + 66))
     a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)

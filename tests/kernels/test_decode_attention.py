@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tritonchat.kernels.attention_decode import (attention_decode, attention_plan,
-                                                 counters_numel, deferred_merge, partials_numel,
+                                                 counters_numel, deferred_merge,
+                                                 groups_deferrable, partials_numel,
                                                  plan_num_splits, tile_positions)
 from tritonchat.kernels.gemv import gemv_fused
 from tritonchat.kernels.hostmath import cdiv
@@ -134,6 +135,49 @@ def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
     torch.testing.assert_close(y, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pos,splits,defer,merge", [(70, 8, 4, 2), (70, 8, 2, 4), (127, 8, 4, 2),
+                                                    (40, 8, 4, 2), (16, 8, 1, 8), (100, 8, 3, 4),
+                                                    (0, 8, 2, 4)])
+def test_attention_group_merge_deferred_to_the_o_proj(pos, splits, defer, merge, dtype):
+    """attention_decode(defer_splits=D, defer_groups=True), then the o_proj: up to D active
+    splits the o_proj merges the split partials, past D the attention merges each group of
+    merge_splits splits and the o_proj merges the group partials (active splits here: 5, 5, 8,
+    3, 2, 7, 1; groups past D: 3, 2, 4, -, 1, 2, -). `out` is never written; the result
+    equals the reference attention, output gate and o_proj."""
+    H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 128, pos, dtype, seed=pos + 5 * merge + defer)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
+    h = torch.randn(n_out, generator=g).to(DEVICE, dtype)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
+              eps=EPS)
+    o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
+    want, _ = gemv_fused_ref(o_ref, W, residual=h)
+    assert groups_deferrable(splits, defer, merge)
+    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
+    partials = torch.full((partials_numel(H, hd, splits, merge),), float("nan"), device=DEVICE)
+    counters = torch.zeros(counters_numel(Hkv, splits, merge), device=DEVICE, dtype=torch.int32)
+    p = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
+    attention_decode(qg, k, v, qn, kn, kc, vc, p, out, partials, counters, num_splits=splits,
+                     block_n=BLOCK_N, merge_splits=merge, defer_splits=defer, defer_groups=True,
+                     **kw)
+    assert torch.isnan(out).all() and not counters.any()
+    m = deferred_merge(qg, p, partials, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
+                       num_splits=splits, defer_splits=defer, block_n=BLOCK_N,
+                       merge_splits=merge, defer_groups=True)
+    y = h.clone()
+    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
+    tol = {k2: 2 * v2 for k2, v2 in _tol(dtype).items()}
+    torch.testing.assert_close(y, want, **tol)
+
+
+def test_groups_deferrable():
+    assert groups_deferrable(66, 12) and groups_deferrable(66, 9) and not groups_deferrable(66, 8)
+    assert not groups_deferrable(8, 0) and groups_deferrable(8, 1) and groups_deferrable(8, 2, 4)
+    assert not groups_deferrable(8, 1, 4)
+
+
 def test_attention_merge_in_the_o_proj_validates():
     H, Hkv, hd, n_out, splits = 4, 2, 32, 8, 4
     x = torch.zeros(H * hd, device=DEVICE)
@@ -152,6 +196,11 @@ def test_attention_merge_in_the_o_proj_validates():
         gemv_fused(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
     with pytest.raises(ValueError):       # more than a consumer merges at once
         gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=64))
+    with pytest.raises(ValueError):       # 2 groups of 2 splits, one record merged
+        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=1, merge_splits=2,
+                                                         defer_groups=True))
+    with pytest.raises(ValueError):       # merge groups that are not a power of two
+        gemv_fused(x, W, y, residual=y, merge=m._replace(merge_splits=3))
     with pytest.raises(ValueError):
         attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
                          torch.zeros(Hkv, 16, hd, device=DEVICE),
@@ -160,6 +209,15 @@ def test_attention_merge_in_the_o_proj_validates():
                                      dtype=torch.int32),
                          num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=16,
                          rope_theta=THETA, eps=EPS, num_splits=splits, defer_splits=64)
+    with pytest.raises(ValueError):       # defer_groups with more groups than defer_splits
+        attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
+                         torch.zeros(Hkv, 16, hd, device=DEVICE),
+                         torch.zeros(Hkv, 16, hd, device=DEVICE), p, x, part,
+                         torch.zeros(counters_numel(Hkv, splits), device=DEVICE,
+                                     dtype=torch.int32),
+                         num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=16,
+                         rope_theta=THETA, eps=EPS, num_splits=splits, defer_splits=1,
+                         merge_splits=2, defer_groups=True)
 
 
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
@@ -339,17 +397,20 @@ def test_gpu_attention_cuda_graph_replay():
 
 
 @pytest.mark.gpu
-def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch):
+@pytest.mark.parametrize("groups", [False, True], ids=["splits", "groups"])
+def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, groups):
     """The engine's short-context form at the 0.8B shape: the attention leaving up to 12 active
     splits to the persistent o_proj, both captured in one CUDA graph with PDL (the o_proj reads
     the position and the gates before its wait), replayed at positions on both sides of the
-    limit (768 positions = 12 splits of 64), against the reference attention and o_proj."""
+    limit (768 positions = 12 splits of 64), against the reference attention and o_proj; with
+    defer_groups, past the limit the o_proj merges the attention's group partials (2 at 768,
+    3 at 1400, 4 at 2000)."""
     import tritonchat.kernels.gemv as gemv_mod
     monkeypatch.setattr(gemv_mod, "USE_PDL", True)
     H, Hkv, hd, rot, dtype, n_out, defer = 8, 2, 256, 64, torch.bfloat16, 1024, 12
     bn = tile_positions(H, Hkv, hd)
     splits = plan_num_splits(33280, Hkv, block_n=bn)
-    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 2048, 1500, dtype, seed=11)
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 2048, 2000, dtype, seed=11)
     qg, k, v = _token(H, Hkv, hd, dtype, g)
     W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
     h0 = torch.randn(n_out, generator=g).to(DEVICE, dtype)
@@ -361,11 +422,11 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch):
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=1e7,
               eps=EPS)
     merge = deferred_merge(qg, pos, part, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
-                           num_splits=splits, defer_splits=defer)
+                           num_splits=splits, defer_splits=defer, defer_groups=groups)
 
     def step():
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, num_splits=splits,
-                         defer_splits=defer, **kw)
+                         defer_splits=defer, defer_groups=groups, **kw)
         y.copy_(h0)
         gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1)
 
@@ -373,7 +434,7 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for p in (1400, 768, 767, 700, 64, 5):     # descending: the NaN fill keeps 0..p-1 intact
+    for p in (2000, 1400, 768, 767, 700, 64, 5):  # descending: the NaN fill keeps 0..p-1 intact
         kc[:, p:] = float("nan")
         vc[:, p:] = float("nan")
         o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, p, **kw)
@@ -382,6 +443,6 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch):
         pos.fill_(p)
         graph.replay()
         torch.cuda.synchronize()
-        assert bool(torch.isnan(out).all()) == (cdiv(p + 1, bn) <= defer), p
+        assert bool(torch.isnan(out).all()) == (groups or cdiv(p + 1, bn) <= defer), p
         torch.testing.assert_close(y, want, rtol=6e-2, atol=6e-2)
         assert not cnt.any()

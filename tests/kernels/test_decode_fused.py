@@ -550,20 +550,24 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         build(G._fused_gemv_persistent_kernel,
               dict(pers_args, nw_ptr="*fp32") if pro == 2 else pers_args,
               dict(PRO=pro, EPI=epi, DV=128 if pro == 2 else 1, KW=4, NPROG=132, BLOCK_N=bn,
-                   BLOCK_K=bk, MASK_K=bk == 4096, PDL=pdl, A_NS=1, A_BN=1, A_DEFER=0), 8)
-    # the attention o_proj merging the split partials the attention left (PRO_ATTN), and the
-    # attention launch that leaves them
-    build(G._fused_gemv_persistent_kernel, pers_args,
-          dict(PRO=4, EPI=1, DV=256, KW=2, NPROG=128, BLOCK_N=8, BLOCK_K=2048, MASK_K=False,
-               PDL=1, A_NS=66, A_BN=64, A_DEFER=12), 8)
+                   BLOCK_K=bk, MASK_K=bk == 4096, PDL=pdl, A_NS=1, A_BN=1, A_DEFER=0,
+                   A_MERGE=1, A_GROUPS=False), 8)
+    # the attention o_proj merging the split (or group) partials the attention left
+    # (PRO_ATTN), and the attention launches that leave them
+    for groups in (False, True):
+        build(G._fused_gemv_persistent_kernel, pers_args,
+              dict(PRO=4, EPI=1, DV=256, KW=2, NPROG=128, BLOCK_N=8, BLOCK_K=2048, MASK_K=False,
+                   PDL=1, A_NS=66, A_BN=64, A_DEFER=12, A_MERGE=8, A_GROUPS=groups), 8)
     attn_args = dict(qg_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qn_w_ptr="*bf16",
                      kn_w_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", pos_ptr="*i32",
                      part_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", max_ctx="i32",
                      eps="fp32", qk_scale_log2="fp32", freq_log2_step="fp32")
-    build(A._attn_decode_kernel, attn_args,
-          dict(HD=256, ROT=64, GROUP=4, NUM_SPLITS=66, NUM_HEADS=8, BLOCK_H=16, BLOCK_G=4,
-               BLOCK_D=256, BLOCK_N=64, MERGE=8, MERGE_TOP=16, ONE_LEVEL=32, DEFER=12,
-               DOT_PRECISION=None, PDL=1), 8)
+    for groups in (False, True):
+        build(A._attn_decode_kernel, attn_args,
+              dict(HD=256, ROT=64, GROUP=4, NUM_SPLITS=66, NUM_HEADS=8, BLOCK_H=16, BLOCK_G=4,
+                   BLOCK_D=256, BLOCK_N=64, MERGE=8, MERGE_TOP=16,
+                   ONE_LEVEL=0 if groups else 32, DEFER=12, DEFER_GROUPS=groups,
+                   DOT_PRECISION=None, PDL=1), 8)
     # the step's last kernel: argmax of the keys + token count + position advance
     build(S._argmax_keys_kernel, dict(part_ptr="*i64", n="i32", token_ptr="*i64",
                                       counts_ptr="*i32", row_offset="i32", pos_ptr="*i32",
