@@ -178,25 +178,32 @@ def _lm_head_setup():
     return E, h, nw, logits, tok, part
 
 
-def tune_lm_head(quick: bool, log) -> list[dict]:
-    E, h, nw, logits, tok, part = _lm_head_setup()
+def _fastest(plans, launch, rep: int, name: str, log):
+    """(us, plan) of the fastest plan: launch(plan) is the call to time; a plan that does not
+    compile or launch is logged and skipped (RuntimeError when none ran)."""
     best = None
-    grid = [(bn, bk, w) for bk in ([512] if quick else [256, 512, 1024])
-            for bn in ([4, 8, 16] if quick else [2, 4, 8, 16, 32])
-            for w in ([4, 8] if quick else [4, 8])]
-    for bn, bk, w in grid:
-        if bn * bk > 16384:
-            continue
-        fn = lambda: lm_head_argmax(h, E, V, logits, tok, part, norm_w=nw, eps=EPS,  # noqa: E731
-                                    block_n=bn, block_k=bk, num_warps=w)
+    for plan in plans:
         try:
-            us = _bench_us(fn, rep=20)
+            us = _bench_us(launch(plan), rep=rep)
         except Exception as e:  # noqa: BLE001
-            log(f"  skip lm_head {bn}x{bk}/{w}: {type(e).__name__}")
+            log(f"  skip {name} {plan}: {type(e).__name__}")
             continue
         if best is None or us < best[0]:
-            best = (us, dict(block_n=bn, block_k=bk, num_warps=w))
-    us, p = best
+            best = (us, plan)
+    if best is None:
+        raise RuntimeError(f"tune_decode: no {name} plan ran")
+    return best
+
+
+def tune_lm_head(quick: bool, log) -> list[dict]:
+    E, h, nw, logits, tok, part = _lm_head_setup()
+    plans = [dict(block_n=bn, block_k=bk, num_warps=w)
+             for bk in ([512] if quick else [256, 512, 1024])
+             for bn in ([4, 8, 16] if quick else [2, 4, 8, 16, 32])
+             for w in (4, 8) if bn * bk <= 16384]
+    us, p = _fastest(plans, lambda p: (lambda: lm_head_argmax(h, E, V, logits, tok, part,
+                                                               norm_w=nw, eps=EPS, **p)),
+                     20, "lm_head", log)
     nbytes = E.numel() * 2
     log(f"{LM_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}")
     return [dict(key=LM_KEY, **p, us=round(us, 2), gb_s=round(nbytes / (us * 1e-6) / 1e9, 1),
@@ -218,21 +225,13 @@ def _core_setup():
 
 def tune_core(quick: bool, log) -> list[dict]:
     proj, A_log, dt_bias, state, o, z = _core_setup()
-    best = None
-    for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64]):
-        for w in ([2, 4] if quick else [1, 2, 4, 8]):
-            for zbn in ([2, 4, 8] if quick else [1, 2, 4, 8, 16]):
-                fn = lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,  # noqa
-                                             num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
-                                             block_v=bv, num_warps=w, z_block_n=zbn, **z)
-                try:
-                    us = _bench_us(fn, rep=10)
-                except Exception as e:  # noqa: BLE001
-                    log(f"  skip gdn_core {bv}/{w}/{zbn}: {type(e).__name__}")
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, dict(block_v=bv, num_warps=w, z_block_n=zbn))
-    us, p = best
+    plans = [dict(block_v=bv, num_warps=w, z_block_n=zbn)
+             for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64])
+             for w in ([2, 4] if quick else [1, 2, 4, 8])
+             for zbn in ([2, 4, 8] if quick else [1, 2, 4, 8, 16])]
+    us, p = _fastest(plans, lambda p: (lambda: gdn_decode_core(
+        proj, A_log, dt_bias, state, o, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK,
+        head_v_dim=DV, **p, **z)), 10, "gdn_core", log)
     nbytes = state.numel() * 4 * 2 + z["z_weight"].numel() * 2
     log(f"{CORE_KEY:38s} {us:8.2f} us {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}")
     return [dict(key=CORE_KEY, **p, us=round(us, 2), gb_s=round(nbytes / (us * 1e-6) / 1e9, 1),

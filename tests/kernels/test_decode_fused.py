@@ -854,6 +854,24 @@ def test_tune_decode_quick_grid_is_small_and_valid():
     assert 0 < total <= 80                       # ~2 s a config on the device: < 4 minutes
 
 
+def test_tuner_keeps_the_fastest_plan_that_runs(monkeypatch):
+    """tune_decode._fastest (the LM head's and the GDN core's sweeps): the fastest plan of
+    those that compile and launch, the others logged and skipped; an error when none ran."""
+    from tritonchat.kernels import tune_decode as td
+    cost = {1: 5.0, 2: 3.0, 3: None, 4: 4.0}          # plan 3 does not compile
+
+    def launch(p):
+        if cost[p["n"]] is None:
+            raise RuntimeError("compile error")
+        return p["n"]
+    monkeypatch.setattr(td, "_bench_us", lambda fn, rep: cost[fn])
+    logs = []
+    us, plan = td._fastest([dict(n=i) for i in (1, 2, 3, 4)], launch, 10, "x", logs.append)
+    assert (us, plan) == (3.0, dict(n=2)) and len(logs) == 1 and "skip x" in logs[0]
+    with pytest.raises(RuntimeError, match="no x plan ran"):
+        td._fastest([dict(n=3)], launch, 10, "x", logs.append)
+
+
 def test_in_step_tuner_candidates_are_valid_plans():
     """engine/tune_step.py's candidates: the persistent form only where the kernel has it
     (direct form; a gated prologue of power-of-two heads), tiles gemv_fused accepts,
