@@ -100,6 +100,36 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
+def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
+    """attention_decode(defer_splits=defer, defer_groups=groups) at `pos`, then the o_proj
+    (gemv_fused with merge=, residual): (the attention's out, started as NaN; the o_proj's
+    result; the reference attention, output gate and o_proj). The counters end at zero."""
+    H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24          # K = 128: heads and head size powers of 2
+    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 128, pos, dtype, seed=seed)
+    qg, k, v = _token(H, Hkv, hd, dtype, g)
+    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
+    h = torch.randn(n_out, generator=g).to(DEVICE, dtype)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
+              eps=EPS)
+    o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
+    want, _ = gemv_fused_ref(o_ref, W, residual=h)
+    ms = merge or 8
+    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
+    partials = torch.full((partials_numel(H, hd, splits, ms),), float("nan"), device=DEVICE)
+    counters = torch.zeros(counters_numel(Hkv, splits, ms), device=DEVICE, dtype=torch.int32)
+    p = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
+    attention_decode(qg, k, v, qn, kn, kc, vc, p, out, partials, counters, num_splits=splits,
+                     block_n=BLOCK_N, merge_splits=merge, defer_splits=defer,
+                     defer_groups=groups, **kw)
+    assert not counters.any()
+    m = deferred_merge(qg, p, partials, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
+                       num_splits=splits, defer_splits=defer, block_n=BLOCK_N,
+                       merge_splits=merge, defer_groups=groups)
+    y = h.clone()
+    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
+    return out, y, want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pos,splits,defer", [(0, 4, 4), (BLOCK_N - 1, 4, 1), (BLOCK_N, 4, 2),
                                               (40, 4, 2), (40, 4, 3), (63, 8, 4), (64, 8, 4),
@@ -109,30 +139,11 @@ def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
     equals the reference attention, output gate and o_proj: with <= D active splits the o_proj
     merges the split partials itself (and `out` is left untouched), with more it reads the
     attention's own merge (active splits here: 1, 1, 2, 3, 3, 4, 5, 5)."""
-    H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24          # K = 128: heads and head size powers of 2
-    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 96, pos, dtype, seed=pos + 7 * defer)
-    qg, k, v = _token(H, Hkv, hd, dtype, g)
-    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
-    h = torch.randn(n_out, generator=g).to(DEVICE, dtype)
-    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
-              eps=EPS)
-    o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
-    want, _ = gemv_fused_ref(o_ref, W, residual=h)
-    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
-    partials = torch.full((partials_numel(H, hd, splits),), float("nan"), device=DEVICE)
-    counters = torch.zeros(counters_numel(Hkv, splits), device=DEVICE, dtype=torch.int32)
-    p = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
-    attention_decode(qg, k, v, qn, kn, kc, vc, p, out, partials, counters, num_splits=splits,
-                     block_n=BLOCK_N, defer_splits=defer, **kw)
+    out, y, want = _deferred_chain(pos, splits, defer, dtype, seed=pos + 7 * defer)
     per_split = cdiv(cdiv(pos + 1, splits), BLOCK_N) * BLOCK_N
     deferred = min(cdiv(pos + 1, per_split), splits) <= defer
-    assert torch.isnan(out).all() == deferred and not counters.any()
-    m = deferred_merge(qg, p, partials, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
-                       num_splits=splits, defer_splits=defer, block_n=BLOCK_N)
-    y = h.clone()
-    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
-    tol = {k2: 2 * v2 for k2, v2 in _tol(dtype).items()}
-    torch.testing.assert_close(y, want, **tol)
+    assert torch.isnan(out).all() == deferred
+    torch.testing.assert_close(y, want, **{k2: 2 * v2 for k2, v2 in _tol(dtype).items()})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -145,31 +156,11 @@ def test_attention_group_merge_deferred_to_the_o_proj(pos, splits, defer, merge,
     merge_splits splits and the o_proj merges the group partials (active splits here: 5, 5, 8,
     3, 2, 7, 1; groups past D: 3, 2, 4, -, 1, 2, -). `out` is never written; the result
     equals the reference attention, output gate and o_proj."""
-    H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24
-    qn, kn, kc, vc, g = _setup(H, Hkv, hd, 128, pos, dtype, seed=pos + 5 * merge + defer)
-    qg, k, v = _token(H, Hkv, hd, dtype, g)
-    W = (torch.randn(n_out, H * hd, generator=g) * (H * hd) ** -0.5).to(DEVICE, dtype)
-    h = torch.randn(n_out, generator=g).to(DEVICE, dtype)
-    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
-              eps=EPS)
-    o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
-    want, _ = gemv_fused_ref(o_ref, W, residual=h)
     assert groups_deferrable(splits, defer, merge)
-    out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
-    partials = torch.full((partials_numel(H, hd, splits, merge),), float("nan"), device=DEVICE)
-    counters = torch.zeros(counters_numel(Hkv, splits, merge), device=DEVICE, dtype=torch.int32)
-    p = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
-    attention_decode(qg, k, v, qn, kn, kc, vc, p, out, partials, counters, num_splits=splits,
-                     block_n=BLOCK_N, merge_splits=merge, defer_splits=defer, defer_groups=True,
-                     **kw)
-    assert torch.isnan(out).all() and not counters.any()
-    m = deferred_merge(qg, p, partials, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
-                       num_splits=splits, defer_splits=defer, block_n=BLOCK_N,
-                       merge_splits=merge, defer_groups=True)
-    y = h.clone()
-    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
-    tol = {k2: 2 * v2 for k2, v2 in _tol(dtype).items()}
-    torch.testing.assert_close(y, want, **tol)
+    out, y, want = _deferred_chain(pos, splits, defer, dtype, seed=pos + 5 * merge + defer,
+                                   merge=merge, groups=True)
+    assert torch.isnan(out).all()
+    torch.testing.assert_close(y, want, **{k2: 2 * v2 for k2, v2 in _tol(dtype).items()})
 
 
 def test_groups_deferrable():
