@@ -371,7 +371,8 @@ class TritonBackend(Backend):
             self._launch("lm_head_norm_argmax", nbytes, S.lm_head_argmax, self.h, E, self.valid_vocab,
                          self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
                          block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
-                         counts=self.counts, pos=pos, ring=self.tok_ring if advance else None)
+                         persistent=lm.get("persistent", 0), num_stages=lm.get("num_stages", 1),
+                         evict=lm.get("evict", True), counts=self.counts, pos=pos, ring=self.tok_ring if advance else None)
         else:
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
                        eps=eps)

@@ -98,6 +98,7 @@ def main(argv=None) -> int:
         return 2
     from tritonchat.kernels import gemv as G
     from tritonchat.kernels import sampling as S
+    from tritonchat.kernels.tune_decode import lm_head_persistent_candidates
 
     from .api import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
@@ -205,16 +206,17 @@ def main(argv=None) -> int:
                      lambda: table.__setitem__(core_key, cur_e)):
                 improved = True
                 changed[core_key] = dict(changed.get(core_key, {}), **cand)
-        # LM head (greedy, fused norm + argmax)
-        for bn in (4, 8, 16, 32):
-            for bk in (256, 512, 1024):
-                for nw in (4, 8):
-                    cand, cur = dict(block_n=bn, block_k=bk, num_warps=nw), dict(be._lm_plan)
-                    if (time.time() > deadline or not wanted(lm_key) or not 2048 <= bn * bk <= 16384
-                            or cand == cur):
-                        continue
-                    if trial(f"lm_head {cur} -> {cand}", lambda: set_lm(cand), lambda: set_lm(cur)):
-                        improved, changed[lm_key] = True, dict(cand)
+        # LM head (greedy, fused norm + argmax): the grid form's tiles, then the persistent form
+        lm_cands = [dict(block_n=bn, block_k=bk, num_warps=nw, persistent=0, num_stages=1, evict=True)
+                    for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for nw in (4, 8)
+                    if 2048 <= bn * bk <= 16384]
+        lm_cands += lm_head_persistent_candidates()
+        for cand in lm_cands:
+            cur = dict(be._lm_plan)
+            if time.time() > deadline or not wanted(lm_key) or all(cur.get(f) == v for f, v in cand.items()):
+                continue
+            if trial(f"lm_head {cur} -> {cand}", lambda: set_lm(cand), lambda: set_lm(cur)):
+                improved, changed[lm_key] = True, dict(cand)
         if not improved or time.time() > deadline:
             break
     final = measure()

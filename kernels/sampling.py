@@ -1,7 +1,9 @@
 """Everything after the final norm, on the GPU, with no host round-trip.
 
 `lm_head_argmax`: logits = E h (tied embedding [V, D]) in fp32, with a per-row-block argmax
-fused in the GEMV epilogue and a one-program reduce to the greedy token.
+fused in the GEMV epilogue and a one-program reduce to the greedy token. Two forms: a grid of
+one program per row block, or (the H200 table's plan) a persistent one of a few programs per SM
+that normalise h once and stride over blocks of whole rows, software-pipelined.
 
 `sample_from_logits`: penalties, temperature, top-k, top-p, min-p and a Philox draw, with every
 setting read from a small device tensor (`params`) so one captured CUDA graph serves any
@@ -140,6 +142,65 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
 
 
 @triton.jit
+def _lm_row_block(logits_ptr, x, rows, V, VALID, w, MASK_N: tl.constexpr):
+    """One row block of the persistent LM head: logits of `rows` from its loaded tile `w`
+    (stored), and the block's best key."""
+    logit = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if MASK_N:
+        tl.store(logits_ptr + rows, logit, mask=rows < V)
+    else:
+        tl.store(logits_ptr + rows, logit)
+    keys = tl.where(rows < VALID, _pack(logit, rows), _KEY_EMPTY)
+    return tl.max(keys, axis=0)
+
+
+@triton.jit
+def _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+               EVICT: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of whole rows of E (masked only where the shape is ragged)."""
+    ptrs = e_ptr + rows.to(tl.int64)[:, None] * stride_e + offs_k[None, :]
+    if MASK_N or MASK_K:
+        m = (rows[:, None] < V) & (offs_k[None, :] < K)
+        if EVICT:
+            w = tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=m, other=0.0)
+    else:
+        if EVICT:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs)
+    return w
+
+
+@triton.jit
+def _lm_head_persistent_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K,
+                               stride_e, eps, NB, PRO: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, MASK_N: tl.constexpr,
+                               MASK_K: tl.constexpr, STAGES: tl.constexpr,
+                               EVICT: tl.constexpr, PDL: tl.constexpr):
+    # Persistent form: a few programs per SM, each normalising h once and then striding over
+    # row blocks of whole rows (BLOCK_K >= K), software-pipelined STAGES deep, so the whole
+    # launch streams E with several tiles in flight per SM; one key per program.
+    _gemv._pdl_start(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w0 = _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N, MASK_K, EVICT)
+    nw0 = _gemv._nw_first(nw_ptr, offs_k, k_ok, PRO, MASK_K)
+    _gemv._pdl_wait(PDL)
+    x, _inv = _gemv._x_first(h_ptr, nw0, offs_k, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
+    best = _lm_row_block(logits_ptr, x, rows, V, VALID, w0, MASK_N)
+    for b in tl.range(pid + nprog, NB, nprog, num_stages=STAGES):
+        rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N, MASK_K, EVICT)
+        best = tl.maximum(best, _lm_row_block(logits_ptr, x, rows, V, VALID, w, MASK_N))
+    tl.store(part_ptr + pid, best)
+
+
+@triton.jit
 def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr, ring_ptr,
                         BLOCK: tl.constexpr, COUNT: tl.constexpr, ADVANCE: tl.constexpr,
                         RING: tl.constexpr, PDL: tl.constexpr):
@@ -172,17 +233,21 @@ def _advance(pos_ptr, ring_ptr, tok, RING: tl.constexpr):
 
 
 def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
-    """dict(block_n, block_k, num_warps) of lm_head_argmax: decode_tuning.json's entry
-    'lm_head:{V}x{D}:{rms|none}', else the GEMV plan of [V, D]. Size the partials with it."""
+    """dict(block_n, block_k, num_warps, persistent, num_stages, evict) of lm_head_argmax:
+    decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else the GEMV plan of [V, D] in
+    the grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
+    either form)."""
     e = _gemv.decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
     if e is not None:
         try:
             return dict(block_n=int(e["block_n"]), block_k=int(e["block_k"]),
-                        num_warps=int(e["num_warps"]))
+                        num_warps=int(e["num_warps"]), persistent=int(e.get("persistent", 0)),
+                        num_stages=int(e.get("num_stages", 1)), evict=bool(e.get("evict", True)))
         except (KeyError, TypeError, ValueError):
             pass
     p = _gemv.plan(vocab, dim, False)
-    return dict(block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"])
+    return dict(block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
+                persistent=0, num_stages=1, evict=True)
 
 
 def lm_head_partials_numel(vocab: int, block_n: int) -> int:
@@ -196,14 +261,18 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    block_n: Optional[int] = None, block_k: Optional[int] = None,
                    num_warps: Optional[int] = None, counts: Optional[torch.Tensor] = None,
                    pos: Optional[torch.Tensor] = None,
-                   ring: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   ring: Optional[torch.Tensor] = None, persistent: Optional[int] = None,
+                   num_stages: Optional[int] = None, evict: Optional[bool] = None) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
     zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
     raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted as update_counts
     does; `pos` (one int on the device): pos += 1 after the token is chosen; `ring` (int64
-    [R], with pos): ring[pos % R] = token before the advance. Returns token_out."""
+    [R], with pos): ring[pos % R] = token before the advance. `persistent` (programs per SM,
+    0 = the grid form of one program per row block), `num_stages` and `evict` (E's loads marked
+    evict-first) complete the plan; unset, they and the tile sizes come from lm_head_plan.
+    Returns token_out."""
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
@@ -223,6 +292,15 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
         p = lm_head_plan(V, D, norm_w is not None)
         block_n, block_k, num_warps = (block_n or p["block_n"], block_k or p["block_k"],
                                        num_warps or p["num_warps"])
+        persistent = p["persistent"] if persistent is None else persistent
+        num_stages = p["num_stages"] if num_stages is None else num_stages
+        evict = p["evict"] if evict is None else evict
+    persistent = int(persistent or 0)
+    if persistent < 0:
+        raise ValueError("lm_head_argmax: persistent must be >= 0 programs per SM")
+    if persistent and next_pow2(D) > LM_PERSISTENT_MAX_K:
+        raise ValueError(f"lm_head_argmax: the persistent form holds whole rows of at most "
+                         f"{LM_PERSISTENT_MAX_K} (D = {D})")
     nb = cdiv(V, block_n)
     if partials.dtype != torch.int64 or partials.numel() < nb or not partials.is_contiguous():
         raise ValueError(f"lm_head_argmax: partials must be contiguous int64 with >= {nb} "
@@ -230,17 +308,29 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     for t in (E, logits_out, token_out, partials):
         if t.device != h.device:
             raise ValueError("lm_head_argmax: all tensors must be on one device")
-    block_x = min(1024, next_pow2(D))
-    _lm_head_kernel[(nb,)](h, norm_w if norm_w is not None else h, E, logits_out, partials, V,
-                           int(valid_vocab), D, E.stride(0), float(eps),
-                           PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
-                           BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= D,
-                           MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
-                           PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
-                           **_gemv._launch_kw(h.device))
+    if persistent:
+        # one key per program; the grid never exceeds the row blocks (sm_count is cached)
+        nkeys = min(nb, persistent * _gemv.sm_count(h.device))
+        bk = next_pow2(D)
+        _lm_head_persistent_kernel[(nkeys,)](
+            h, norm_w if norm_w is not None else h, E, logits_out, partials, V, int(valid_vocab),
+            D, E.stride(0), float(eps), nb, PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
+            BLOCK_K=bk, MASK_N=V % block_n != 0, MASK_K=D != bk, STAGES=int(num_stages or 1),
+            EVICT=bool(evict), PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
+            **_gemv._launch_kw(h.device))
+    else:
+        nkeys = nb
+        block_x = min(1024, next_pow2(D))
+        _lm_head_kernel[(nb,)](h, norm_w if norm_w is not None else h, E, logits_out, partials, V,
+                               int(valid_vocab), D, E.stride(0), float(eps),
+                               PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
+                               BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= D,
+                               MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
+                               PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
+                               **_gemv._launch_kw(h.device))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
-    block = min(ARGMAX_BLOCK_MAX, next_pow2(nb))
-    _argmax_keys_kernel[(1,)](partials, nb, token_out, *_count_args(counts, token_out, pos, ring),
+    block = min(ARGMAX_BLOCK_MAX, next_pow2(nkeys))
+    _argmax_keys_kernel[(1,)](partials, nkeys, token_out, *_count_args(counts, token_out, pos, ring),
                               BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
                               RING=ring.numel() if ring is not None else 0,
                               PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
@@ -249,6 +339,7 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
 
 
 ARGMAX_BLOCK_MAX = 16384      # keys the final argmax reduces per pass (loops past it)
+LM_PERSISTENT_MAX_K = 4096    # widest row the persistent LM head holds in one tile
 
 
 def _count_args(counts: Optional[torch.Tensor], token: torch.Tensor,

@@ -195,12 +195,23 @@ def _fastest(plans, launch, rep: int, name: str, log):
     return best
 
 
+def lm_head_persistent_candidates(quick: bool = False) -> list[dict]:
+    """The LM head's persistent plans (whole rows, programs per SM, pipeline stages, warps)
+    that the tuners try besides the grid form."""
+    shapes = ((16, 2, 3, 8), (8, 4, 3, 4), (16, 2, 2, 8)) if quick else \
+        tuple((bn, per, st, w) for bn in (8, 16, 32) for per in (1, 2, 4) for st in (2, 3, 4)
+              for w in (4, 8) if bn * per <= 64)
+    return [dict(block_n=bn, block_k=1024, num_warps=w, persistent=per, num_stages=st, evict=False)
+            for bn, per, st, w in shapes]
+
+
 def tune_lm_head(quick: bool, log) -> list[dict]:
     E, h, nw, logits, tok, part = _lm_head_setup()
-    plans = [dict(block_n=bn, block_k=bk, num_warps=w)
+    plans = [dict(block_n=bn, block_k=bk, num_warps=w, persistent=0)
              for bk in ([512] if quick else [256, 512, 1024])
              for bn in ([4, 8, 16] if quick else [2, 4, 8, 16, 32])
              for w in (4, 8) if bn * bk <= 16384]
+    plans += lm_head_persistent_candidates(quick)
     us, p = _fastest(plans, lambda p: (lambda: lm_head_argmax(h, E, V, logits, tok, part,
                                                                norm_w=nw, eps=EPS, **p)),
                      20, "lm_head", log)
@@ -255,12 +266,17 @@ def replay_ms(graph, n: int, before=None) -> float:
 
 
 def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
-    """Measured HBM read bandwidth: one pass over a weights-sized buffer (torch sum)."""
-    buf = torch.ones(nbytes // 2, device="cuda", dtype=DT)
-    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=3, rep=30)
-    del buf
+    """Measured HBM read bandwidth: one pass over a weights-sized buffer, the faster of a torch
+    sum and our whole-row streaming read (kernels.bandwidth.row_sums), as the bench's roofline."""
+    from .bandwidth import row_sums
+    buf = torch.ones(nbytes // 2 // 1024, 1024, device="cuda", dtype=DT)
+    sums = torch.empty(buf.shape[0], device="cuda", dtype=torch.float32)
+    ms = min(triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=3, rep=30),
+             triton.testing.do_bench(lambda: row_sums(buf, sums), warmup=3, rep=30))
+    nread = buf.numel() * buf.element_size()
+    del buf, sums
     torch.cuda.empty_cache()
-    return nbytes / (ms * 1e-3) / 1e9
+    return nread / (ms * 1e-3) / 1e9
 
 
 # ------------------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ def test_interpreter_greedy_equals_reference(ckpt, split_k):
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
     """Every GEMV that can take the persistent direct form (what the in-step tuner may pick)
-    switched to it: the engine still decodes the reference's tokens and logits."""
+    switched to it, and the LM head to its persistent form (the table's plan on the H200): the
+    engine still decodes the reference's tokens and logits."""
+    from tritonchat.kernels.sampling import lm_head_partials_numel
     if "odd" in str(ckpt):
         pytest.skip("one checkpoint is enough here (the interpreter is slow)")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
@@ -66,6 +68,9 @@ def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
             tri._fplans[key] = dict(plan, split_k=1, persistent=1)
             switched += 1
     assert switched >= 4
+    tri._lm_plan = dict(block_n=8, block_k=cfg.hidden_size, num_warps=4, persistent=2, num_stages=2,
+                        evict=False)
+    tri.lm_head_partials = torch.zeros(lm_head_partials_numel(cfg.vocab_size, 8), dtype=torch.int64)
     prompt = list(range(3, 3 + 21))
     a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)

@@ -578,6 +578,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     build(S._lm_head_kernel, lm_args,
           dict(PRO=1, BLOCK_N=8, BLOCK_K=512, BLOCK_X=1024, ONE_X=True, MASK_N=False,
                MASK_K=False, PDL=True), 4)
+    # the persistent LM head (the table's plan): whole rows, 3 pipeline stages
+    build(S._lm_head_persistent_kernel, dict(lm_args, NB="i32"),
+          dict(PRO=1, BLOCK_N=16, BLOCK_K=1024, MASK_N=False, MASK_K=False, STAGES=3,
+               EVICT=False, PDL=True), 8)
     print("OK")
 """)
 
@@ -769,6 +773,8 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
                      ' "z_block_n": 12},'
                      '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
                      ' "num_warps": 8},'
+                     '{"key": "lm_head:1000x64:rms", "block_n": 8, "block_k": 64,'
+                     ' "num_warps": 4, "persistent": 2, "num_stages": 3, "evict": false},'
                      '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
                      ' "block_k": 1024, "num_warps": 4, "persistent": 2},'
                      '{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8,'
@@ -787,8 +793,11 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
         assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
         assert gdn_mod._core_plan(16, 128, 128) == (32, 2, 16, False)
         assert gdn_mod._core_plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
-        assert samp_mod.lm_head_plan(248320, 1024, True) == dict(block_n=16, block_k=256,
-                                                                num_warps=8)
+        # an LM head entry without the persistent keys is the grid form
+        assert samp_mod.lm_head_plan(248320, 1024, True) == dict(
+            block_n=16, block_k=256, num_warps=8, persistent=0, num_stages=1, evict=True)
+        assert samp_mod.lm_head_plan(1000, 64, True) == dict(
+            block_n=8, block_k=64, num_warps=4, persistent=2, num_stages=3, evict=False)
         from tritonchat.kernels.attention_decode import attention_plan
         assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
         assert attention_plan(4, 1, 64) == {}         # not a power of two, not a number

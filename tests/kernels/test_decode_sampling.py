@@ -101,6 +101,68 @@ def test_lm_head_argmax_counts_token_and_advances_position(pos_dtype):
     assert int(pos[0]) == 43 and int(counts.sum()) == 5
 
 
+# the persistent form: a few programs per SM (4 "SMs" under the interpreter), each striding
+# over whole-row blocks; (rows, D, valid, block_n, programs per SM, stages, evict, norm)
+PERSISTENT_CASES = [
+    (50, 40, 45, 8, 1, 1, True, False),       # 7 blocks over 4 programs, ragged D and V
+    (50, 40, 45, 4, 2, 2, False, True),       # 13 blocks over 8 programs, fused norm
+    (203, 24, 200, 8, 1, 3, True, True),      # 26 blocks, 6-7 per program, 3 stages
+    (64, 64, 64, 16, 2, 2, True, True),       # 4 blocks < 8 programs: the grid is cut to 4
+    (1, 16, 1, 4, 1, 1, True, False),         # one row
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_argmax_persistent(case, dtype):
+    n, D, valid, bn, per_sm, stages, evict, norm = case
+    g = torch.Generator().manual_seed(n + D)
+    h = torch.randn(D, generator=g).to(DEVICE, dtype)
+    E = (torch.randn(n, D, generator=g) * 0.3).to(DEVICE, dtype)
+    nw = (torch.randn(D, generator=g) * 0.2).to(DEVICE, dtype) if norm else None
+    if n > 1:
+        E[n - 1] = E[0] = E[valid // 2].clone()            # a tie across programs...
+        E[valid // 2] = E[valid // 2] * 2 + 0.5            # ...below the best row
+    logits = torch.full((n,), float("nan"), device=DEVICE)
+    tok = torch.full((1,), -1, device=DEVICE, dtype=torch.int64)
+    part = torch.full((lm_head_partials_numel(n, bn),), 5, device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, valid, logits, tok, part, norm_w=nw, block_n=bn, block_k=16,
+                   num_warps=4, persistent=per_sm, num_stages=stages, evict=evict)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, valid, norm_w=nw)
+    if norm and dtype != torch.float32:
+        # the reference rounds the norm's product in another order; the grid form (tested
+        # against the reference on the model's shape on the GPU) is the oracle here
+        want_logits = torch.empty_like(logits)
+        grid_tok = torch.empty_like(tok)
+        lm_head_argmax(h, E, valid, want_logits, grid_tok, part.clone(), norm_w=nw,
+                       block_n=bn, block_k=16, num_warps=4, persistent=0)
+        want_tok = int(grid_tok)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-4)
+    assert int(tok) == want_tok == int(torch.argmax(logits[:valid]))
+    assert (part[min(n // bn + (n % bn > 0), 4 * per_sm):] == 5).all()   # one key a program
+
+
+def test_lm_head_argmax_persistent_lowest_id_on_ties_and_validation():
+    g = torch.Generator().manual_seed(3)
+    n, D = 40, 16
+    h = torch.randn(D, generator=g).to(DEVICE)
+    E = torch.randn(n, D, generator=g).to(DEVICE) * 0.1
+    E[33] = E[21] = E[9] = h                 # the best rows, each in another program's block
+    logits = torch.empty(n, device=DEVICE)
+    tok = torch.empty(1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(n, 4), device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, n, logits, tok, part, block_n=4, block_k=16, num_warps=4,
+                   persistent=1, num_stages=2, evict=True)
+    assert int(tok) == 9
+    with pytest.raises(ValueError, match="persistent"):
+        lm_head_argmax(h, E, n, logits, tok, part, block_n=4, block_k=16, num_warps=4,
+                       persistent=-1)
+    wide = torch.zeros(2, 8192, device=DEVICE)
+    with pytest.raises(ValueError, match="whole rows"):
+        lm_head_argmax(torch.zeros(8192, device=DEVICE), wide, 2, torch.empty(2, device=DEVICE),
+                       tok, part, block_n=4, block_k=16, num_warps=4, persistent=1)
+
+
 def test_update_counts_advances_position_when_given():
     counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
     pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
@@ -314,17 +376,26 @@ REAL_V, REAL_VALID, REAL_D = 248320, 248077, 1024
 
 
 @pytest.mark.gpu
-def test_gpu_lm_head_argmax_model_shape():
+@pytest.mark.parametrize("plan", [None, dict(block_n=16, block_k=512, num_warps=4, persistent=0)],
+                         ids=["table", "grid"])
+def test_gpu_lm_head_argmax_model_shape(plan):
+    # the table's plan (the persistent form) and the grid form, plain and with the final norm
     g = torch.Generator().manual_seed(0)
     h = torch.randn(REAL_D, generator=g).to(DEVICE, torch.bfloat16)
+    nw = (torch.randn(REAL_D, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
     E = (torch.randn(REAL_V, REAL_D, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
     E[REAL_VALID:] = h * 0.5                          # padded rows with the largest logits
+    E[REAL_VALID - 1] = E[7] = h * 0.3                # the best real rows, far apart: id 7 wins
     logits = torch.empty(REAL_V, device=DEVICE)
     tok = torch.empty(1, device=DEVICE, dtype=torch.int32)
     part = torch.empty(REAL_V, device=DEVICE, dtype=torch.int64)
-    lm_head_argmax(h, E, REAL_VALID, logits, tok, part)
+    lm_head_argmax(h, E, REAL_VALID, logits, tok, part, **(plan or {}))
     want_logits, _ = lm_head_argmax_ref(h, E, REAL_VALID)
     torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3)
+    assert int(tok) == int(torch.argmax(logits[:REAL_VALID])) == 7
+    lm_head_argmax(h, E, REAL_VALID, logits, tok, part, norm_w=nw, **(plan or {}))
+    want_logits, want_tok = lm_head_argmax_ref(h, E, REAL_VALID, norm_w=nw)
+    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=2e-2)
     assert int(tok) == int(torch.argmax(logits[:REAL_VALID]))
 
 
