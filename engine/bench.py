@@ -70,17 +70,19 @@ def _build(args, split_k: bool, graph: bool, context: int):
     return cfg, be
 
 
-def decode_run(be, prompt: list[int], new_tokens: int) -> dict:
-    """Prefill the prompt, then decode new_tokens greedily (EOS ignored) through Generator."""
+def decode_run(be, prompt: list[int], new_tokens: int, params: Optional[SamplingParams] = None) -> dict:
+    """Prefill the prompt, then decode new_tokens (EOS ignored) through Generator: greedily, or
+    with `params` (sampling)."""
     from .generation import Generator
+    params = params or SamplingParams(greedy=True)
     gen = Generator(be, stop_ids=[])
     gen.snapshots_enabled = False
     # warm-up at the same length: compiles every kernel (prefill tiles depend on T) and captures
     # the graph outside the measurement
-    gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=4)
+    gen.generate(prompt, params, max_new_tokens=4)
     gen.forget()
     torch.cuda.synchronize()
-    res = gen.generate(prompt, SamplingParams(greedy=True), max_new_tokens=new_tokens)
+    res = gen.generate(prompt, params, max_new_tokens=new_tokens)
     s = res.stats
     out = {"decode_tok_s": s.decode_tok_s, "ms_per_token": s.decode_ms_per_token, "ttft_ms": s.ttft_ms,
            "prefill_tok_s": s.prefill_tok_s, "new_tokens": s.new_tokens, "token_ids": res.token_ids}
@@ -359,6 +361,15 @@ def run_bench(args) -> int:
         be.configure(split_k=configs[0][0], graph=configs[0][1])
         report["session"] = session_run(be, cfg, prompt_len, new_tokens)
         report["session"]["vs_bench"] = report["session"]["decode_tok_s"] / report["decode_tok_s"]
+        # what a chat decodes with: the model card's sampling (the app's default settings)
+        from .session import sampling_defaults
+        sp = sampling_defaults({})
+        r = decode_run(be, prompt, new_tokens, sp)
+        r.pop("token_ids")
+        report["sampled"] = dict(r, settings={k: getattr(sp, k) for k in ("temperature", "top_k", "top_p", "min_p")},
+                                 vs_greedy=r["decode_tok_s"] / report["decode_tok_s"])
+        print(f"sampled ({report['sampled']['settings']}): {r['decode_tok_s']:.1f} tok/s, "
+              f"{100 * report['sampled']['vs_greedy']:.1f}% of greedy", file=sys.stderr)
         if be.name == "triton":
             pos = context - new_tokens - 64
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
@@ -420,7 +431,7 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("long_context", "context_sweep", "prefill", "transformers"):
+    for key in ("sampled", "long_context", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
 

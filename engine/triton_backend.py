@@ -30,6 +30,7 @@ from .reference import ModelState, ReferenceModel, torch_dtype
 
 # The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
 # than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
+# With top-k set it searches 2 x top_k candidates (at least 32; sampling.sample_candidates).
 TOP_K_MAX = 256
 TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 TOKEN_RING = 4               # decode steps whose tokens the host can have outstanding (ring slots)
@@ -132,6 +133,7 @@ class TritonBackend(Backend):
         # prompts up to 2,048 tokens replay a captured prefill per bucket length (CUDA)
         self.prefill_graph = prefill_graph_enabled(self.device)
         self._sampling_key = None
+        self._sample_kc = None               # the sampler's candidate count (sample_candidates)
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
         self._last_token: Optional[int] = None   # the token in tok_buf, when the host knows it
@@ -372,13 +374,15 @@ class TritonBackend(Backend):
                          self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
                          block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
                          persistent=lm.get("persistent", 0), num_stages=lm.get("num_stages", 1),
-                         evict=lm.get("evict", True), counts=self.counts, pos=pos, ring=self.tok_ring if advance else None)
+                         evict=lm.get("evict", True), counts=self.counts, pos=pos,
+                         ring=self.tok_ring if advance else None)
         else:
+            # (the greedy plan's persistent form was measured slower here, 0.646 against 0.618 ms)
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
                        eps=eps)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
-                         valid_vocab=self.valid_vocab, top_k_max=self.top_k_max)
+                         valid_vocab=self.valid_vocab, top_k_max=self._sample_kc)
             self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf, pos,
                          self.tok_ring if advance else None)
 
@@ -447,11 +451,15 @@ class TritonBackend(Backend):
         self._ensure_sampler_mode()
 
     def _ensure_sampler_mode(self) -> None:
+        from tritonchat.kernels.sampling import sample_candidates
         p = self._params
         plain_greedy = p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
         key = "argmax" if plain_greedy else "sample"
-        if key != self._sampling_key:
-            self._sampling_key = key
+        # the sampler's candidate count follows the settings (a small top_k sorts far fewer keys);
+        # a new count is a new launch geometry, so the step is captured again (on a settings change)
+        kc = self.top_k_max if p.is_greedy else sample_candidates(p.top_k, p.top_p, p.min_p, self.top_k_max)
+        if key != self._sampling_key or kc != self._sample_kc:
+            self._sampling_key, self._sample_kc = key, kc
             self._invalidate_graph()
 
     def sample(self) -> int:

@@ -20,7 +20,8 @@ settings. Semantics (HF order, with precise tie rules):
   9. rank 0 is always kept; draw from p over the kept ranks (inverse CDF, one uniform).
 
 Candidate cap (documented approximation): steps 5-9 run over the top `top_k_max` ids (rounded
-up to a power of two). top_k larger than that is clamped to it; with top_k = 0 (off) and
+up to a power of two; the engine passes sample_candidates(): 2 x top_k, at least 32, when top-k
+is set, so ties with the k-th past twice k would be cut). top_k larger than that is clamped to it; with top_k = 0 (off) and
 top_p < 1 or min_p > 0 the nucleus is searched within those ids. Everything else is exact, and
 plain temperature sampling (top_k = 0, top_p = 1, min_p = 0) is exact over the whole vocab via
 Gumbel-max: argmax_v (l_v / T - log(-log u_v)).
@@ -503,16 +504,36 @@ def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ring_ptr,
         _advance(pos_ptr, ring_ptr, tok, RING)
 
 
+SAMPLE_BLOCK = 256           # smallest vocab block / merge group of the sampler (2 x candidates at least)
+
+
+def sample_candidates(top_k: int, top_p: float, min_p: float, cap: int) -> int:
+    """The candidate count (a power of two, at most `cap`) the sampler needs for these
+    settings: twice top_k when it is set (ties with the k-th are kept, as HF does; past twice
+    top_k they would be cut), the whole cap when only top-p / min-p choose the nucleus, and the
+    smallest (32) for plain temperature, which draws exactly over the whole vocab without
+    candidates."""
+    cap = next_pow2(max(1, int(cap)))
+    if int(top_k) >= 1:
+        return min(cap, max(32, next_pow2(2 * int(top_k))))
+    if top_p < 1.0 or min_p > 0.0:
+        return cap
+    return min(cap, 32)
+
+
 def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
                 block_v: Optional[int] = None, merge_chunk: Optional[int] = None) -> dict:
     """Launch geometry of sample_from_logits (fixed per vocab/top_k_max/n_draws) and the
     int64 scratch it needs: dict(kc, block_v, nb, chunk, levels=[(n_in, programs, in_off,
     out_off)], final_off, n_final, gum_off, draw_block, scratch_numel)."""
     kc = next_pow2(max(1, int(top_k_max)))
+    # small blocks and merge groups: every sort is short (a 4,096-key sort costs ~60 us on the
+    # H200, a 512-key one a few), at the price of more, cheap merge levels. The whole sampler at
+    # the true vocab and 256 candidates: 51 us with 512 / 512, 187 us with 4,096 / 4,096
     if block_v is None:
-        block_v = max(2 * kc, min(4096, next_pow2(vocab)))
+        block_v = max(2 * kc, min(SAMPLE_BLOCK, next_pow2(vocab)))
     if merge_chunk is None:
-        merge_chunk = max(2 * kc, 4096)
+        merge_chunk = max(2 * kc, SAMPLE_BLOCK)
     if block_v < kc or block_v & (block_v - 1):
         raise ValueError("sample_plan: block_v must be a power of two >= top_k_max")
     if merge_chunk < 2 * kc or merge_chunk & (merge_chunk - 1):
@@ -534,8 +555,16 @@ def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
 
 
 def sample_scratch_numel(vocab: int, top_k_max: int, n_draws: int = 1, **kw) -> int:
-    """int64 elements of scratch sample_from_logits needs (allocate once, at load time)."""
-    return sample_plan(vocab, top_k_max, n_draws, **kw)["scratch_numel"]
+    """int64 elements of scratch sample_from_logits needs (allocate once, at load time); enough
+    for every smaller candidate count too (sample_candidates may choose one)."""
+    kc = next_pow2(max(1, int(top_k_max)))
+    sizes = []
+    while True:
+        sizes.append(sample_plan(vocab, kc, n_draws, **kw)["scratch_numel"])
+        if kc <= 1:
+            break
+        kc //= 2
+    return max(sizes)
 
 
 def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor,

@@ -116,6 +116,25 @@ def test_interpreter_sampling_reproducible_and_in_vocab(ckpt):
     assert a == b and all(t < cfg.vocab_size - 7 for t in a)
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_sampler_candidates_follow_the_settings(ckpt):
+    """A small top-k searches fewer candidates (a new captured geometry on a settings change):
+    the same draws as with the whole cap, which the top-p-only settings take."""
+    if "odd" in str(ckpt):
+        pytest.skip("one checkpoint is enough here (the interpreter is slow)")
+    p = SamplingParams(seed=7, temperature=0.9, top_k=3, top_p=0.9, presence_penalty=0.2)
+    cfg, ref, tri = _pair(ckpt, graph=False)
+    a = Generator(tri, []).generate([4, 5, 6], p, max_new_tokens=5).token_ids
+    assert tri._sample_kc == 32 < tri.top_k_max
+    tri._ensure_sampler_mode = lambda: None          # hold the whole cap for the same settings
+    tri._sample_kc = tri.top_k_max
+    b = Generator(tri, []).generate([4, 5, 6], p, max_new_tokens=5).token_ids
+    assert a == b
+    del tri._ensure_sampler_mode
+    Generator(tri, []).generate([4, 5, 6], SamplingParams(seed=7, top_k=0, top_p=0.5), max_new_tokens=1)
+    assert tri._sample_kc == tri.top_k_max
+
+
 # ------------------------------------------------------------------------------------ GPU ----
 
 @pytest.mark.gpu

@@ -163,6 +163,20 @@ def test_lm_head_argmax_persistent_lowest_id_on_ties_and_validation():
                        tok, part, block_n=4, block_k=16, num_warps=4, persistent=1)
 
 
+def test_sample_candidates_follow_the_settings():
+    from tritonchat.kernels.sampling import sample_candidates, sample_plan
+    assert sample_candidates(20, 0.8, 0.0, 256) == 64          # 2 x top_k, a power of two
+    assert sample_candidates(1, 1.0, 0.0, 256) == 32            # at least 32
+    assert sample_candidates(200, 1.0, 0.0, 256) == 256         # at most the cap
+    assert sample_candidates(0, 0.9, 0.0, 256) == 256           # top-p alone: the whole cap
+    assert sample_candidates(0, 1.0, 0.05, 256) == 256          # min-p alone: the whole cap
+    assert sample_candidates(0, 1.0, 0.0, 256) == 32            # plain temperature (Gumbel)
+    assert sample_candidates(5, 1.0, 0.0, 16) == 16
+    # the scratch sized for the cap serves every smaller count
+    need = sample_scratch_numel(248320, 256)
+    assert all(sample_plan(248320, kc)["scratch_numel"] <= need for kc in (16, 32, 64, 128, 256))
+
+
 def test_update_counts_advances_position_when_given():
     counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
     pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
