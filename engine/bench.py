@@ -3,8 +3,9 @@
 The roofline is the time to read, once, a buffer as large as the bytes one decode step must
 move (all weights with the tied LM head read whole, the GDN recurrent states read and written,
 the KV cache up to the position), at the faster of two measured read rates (torch.sum, and our
-whole-row streaming read, which is ~8% faster on the H200); tok/s = bandwidth / bytes. Decode speed is measured through the
-same generation loop the app uses (one host read of each token), greedy with EOS ignored.
+whole-row streaming read, ~8% faster on the H200); tok/s = bandwidth / bytes. Decode speed is
+measured through the same generation loop the app uses (one host read of each token), greedy
+with EOS ignored, and with --compare also with the model card's sampling.
 """
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ settings. Semantics (HF order, with precise tie rules):
   9. rank 0 is always kept; draw from p over the kept ranks (inverse CDF, one uniform).
 
 Candidate cap (documented approximation): steps 5-9 run over the top `top_k_max` ids (rounded
-up to a power of two; the engine passes sample_candidates(): 2 x top_k, at least 32, when top-k
-is set, so ties with the k-th past twice k would be cut). top_k larger than that is clamped to it; with top_k = 0 (off) and
-top_p < 1 or min_p > 0 the nucleus is searched within those ids. Everything else is exact, and
+up to a power of two). top_k larger than that is clamped to it; with top_k = 0 (off) and
+top_p < 1 or min_p > 0 the nucleus is searched within those ids. The engine passes
+sample_candidates(): with top-k set, 2 x top_k candidates (at least 32), so ties with the k-th
+reaching past twice k would be cut. Everything else is exact, and
 plain temperature sampling (top_k = 0, top_p = 1, min_p = 0) is exact over the whole vocab via
 Gumbel-max: argmax_v (l_v / T - log(-log u_v)).
 
