@@ -35,9 +35,13 @@ def test_bench_roofline_takes_the_faster_read(monkeypatch):
     assert bench.measure_hbm_read(1 << 20, "cpu") == 4430.0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
 def test_gpu_measure_hbm_read_methods():
     from tritonchat.engine.bench import measure_hbm_read, measure_hbm_read_methods
+    x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(8192, device="cuda")
+    torch.testing.assert_close(row_sums(x, out), x.float().sum(dim=1), rtol=1e-4, atol=1e-3)
     m = measure_hbm_read_methods(256 << 20, "cuda", reps=2)
     assert set(m) == {"torch_sum", "row_sums"} and min(m.values()) > 0
     assert measure_hbm_read(256 << 20, "cuda", reps=2) > 0
