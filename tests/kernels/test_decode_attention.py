@@ -192,23 +192,18 @@ def test_attention_merge_in_the_o_proj_validates():
                                                          defer_groups=True))
     with pytest.raises(ValueError):       # merge groups that are not a power of two
         gemv_fused(x, W, y, residual=y, merge=m._replace(merge_splits=3))
-    with pytest.raises(ValueError):
+    def attend(**kw):
         attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
                          torch.zeros(Hkv, 16, hd, device=DEVICE),
                          torch.zeros(Hkv, 16, hd, device=DEVICE), p, x, part,
                          torch.zeros(counters_numel(Hkv, splits), device=DEVICE,
                                      dtype=torch.int32),
                          num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=16,
-                         rope_theta=THETA, eps=EPS, num_splits=splits, defer_splits=64)
+                         rope_theta=THETA, eps=EPS, num_splits=splits, **kw)
+    with pytest.raises(ValueError):       # more splits deferred than a consumer merges
+        attend(defer_splits=64)
     with pytest.raises(ValueError):       # defer_groups with more groups than defer_splits
-        attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
-                         torch.zeros(Hkv, 16, hd, device=DEVICE),
-                         torch.zeros(Hkv, 16, hd, device=DEVICE), p, x, part,
-                         torch.zeros(counters_numel(Hkv, splits), device=DEVICE,
-                                     dtype=torch.int32),
-                         num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=16,
-                         rope_theta=THETA, eps=EPS, num_splits=splits, defer_splits=1,
-                         merge_splits=2, defer_groups=True)
+        attend(defer_splits=1, merge_splits=2, defer_groups=True)
 
 
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
