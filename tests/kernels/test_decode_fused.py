@@ -508,13 +508,14 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import tritonchat.kernels.gdn_decode as C
     import tritonchat.kernels.sampling as S
 
-    def build(fn, args, const, num_warps):
+    def build(fn, args, const, num_warps, pdl=True):
         sig = dict(args)
         sig.update({k: "constexpr" for k in const})
         src = ASTSource(fn=fn, signature=sig, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps))
         ptx = k.asm["ptx"]
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, fn
+        if pdl:
+            assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, fn
         assert len(k.asm["cubin"]) > 0, fn            # ptxas accepted the PTX
         return k
 
@@ -582,6 +583,12 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     build(S._lm_head_persistent_kernel, dict(lm_args, NB="i32"),
           dict(PRO=1, BLOCK_N=16, BLOCK_K=1024, MASK_N=False, MASK_K=False, STAGES=3,
                EVICT=False, PDL=True), 8)
+    # the sampler's merge levels (bitonic top-k of sorted runs) at the engine's plans for 64
+    # candidates (top-k 20) and 256 (top-p alone); the sampler launches without PDL
+    for kc, chunk in ((64, 1024), (256, 2048)):
+        build(S._topk_merge_kernel, dict(in_ptr="*i64", n_in="i32", out_ptr="*i64",
+                                         params_ptr="*fp32"), dict(KC=kc, CHUNK=chunk), 8,
+              pdl=False)
     print("OK")
 """)
 

@@ -238,6 +238,7 @@ CASES = [  # (params, top_k_max, plan overrides)
     (params_list(1.0, 0, 0.8, 0.0, 0.0, 1.0), 64, {}),                  # top-p, cap >= vocab
     (params_list(1.2, 10, 1.0, 0.2, 0.0, 1.0), 16, {}),                 # top-k + min-p
     (params_list(1.0, 10, 0.9, 0.05, 1.0, 1.1), 8, dict(block_v=8, merge_chunk=16)),  # merges
+    (params_list(0.8, 6, 0.95, 0.0, 0.4, 1.2), 8, dict(block_v=8, merge_chunk=64)),   # 7 runs, final
     (params_list(1.0, 40, 1.0, 0.0, 0.0, 1.0), 16, {}),                 # top_k > cap: clamped
 ]
 
@@ -251,6 +252,46 @@ def test_sample_distribution(case):
     probs = sample_from_logits_ref(logits.cpu(), params, counts.cpu(), valid_vocab=VALID,
                                    top_k_max=kmax)
     _assert_distribution(tokens, probs)
+
+
+@pytest.mark.parametrize("kc,block_v,chunk", [
+    (8, 16, 16),      # 2 runs a merge group, one level
+    (8, 8, 32),       # 4 runs, block = candidates (whole blocks kept)
+    (4, 8, 32),       # 8 runs, two levels, a ragged last group
+    (4, 4, 64),       # 16 runs
+    (2, 4, 64),       # 32 runs
+    (2, 4, 128),      # 64 runs (the most a merge program takes)
+    (16, 32, 64),     # 4 runs of 16
+])
+def test_sampler_candidates_are_the_top_keys(kc, block_v, chunk):
+    # the candidates the final kernel receives hold exactly the kc best processed logits
+    # (value, then lower id): ties on purpose, a vocab that leaves ragged blocks and groups
+    from tritonchat.kernels.sampling import KEY_EMPTY
+    v2, valid2 = 997, 990
+    g = torch.Generator().manual_seed(kc * 1000 + chunk)
+    logits = torch.randint(-40, 40, (v2,), generator=g).float().div(8).to(DEVICE)   # many ties
+    counts = torch.zeros(2, v2, dtype=torch.int32)
+    counts[0, :300:7] = 1
+    counts[1, 5:200:11] = 2
+    counts = counts.to(DEVICE)
+    params = params_list(1.0, kc, 1.0, 0.0, 0.3, 1.2)
+    p = sample_plan(v2, kc, 1, block_v=block_v, merge_chunk=chunk)
+    assert p["levels"], "the plan must exercise the merge kernel"
+    scratch = torch.full((p["scratch_numel"],), 7, device=DEVICE, dtype=torch.int64)
+    out = torch.full((1,), -1, device=DEVICE, dtype=torch.int64)
+    so = torch.tensor([1, 0], device=DEVICE, dtype=torch.int64)
+    sample_from_logits(logits, torch.tensor(params, device=DEVICE, dtype=torch.float32), counts,
+                       so, out, scratch, valid_vocab=valid2, top_k_max=kc, block_v=block_v,
+                       merge_chunk=chunk)
+    keys = scratch[p["final_off"]:p["final_off"] + p["n_final"]].cpu()
+    keys = keys[keys != KEY_EMPTY]
+    best = torch.sort(keys, descending=True).values[:kc]
+    ids = (4294967295 - (best & 4294967295)).tolist()
+    vals = (best >> 32).tolist()
+    l = penalized_logits_ref(logits.cpu(), params, counts.cpu(), valid2)
+    order = sorted(range(valid2), key=lambda i: (-float(l[i]), i))[:kc]
+    assert ids == order
+    assert vals == sorted(vals, reverse=True) and len(set(ids)) == kc
 
 
 def test_sample_top_p_boundary_and_tie_order():
