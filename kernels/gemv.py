@@ -407,20 +407,23 @@ def _rms_inv(v_ptr, n, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _w_load(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """W[rows, ks] in its storage dtype (a prefetch keeps it packed until used)."""
+def _w_load(w_rows, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+            EVICT: tl.constexpr = True):
+    """W[rows, ks] in its storage dtype (a prefetch keeps it packed until used); EVICT marks
+    the loads evict-first (the weights are streamed once; the LM head's plan goes without)."""
+    policy: tl.constexpr = "evict_first" if EVICT else ""
     if MASK_K:
         if MASK_N:
             m = row_mask[:, None] & k_ok[None, :]
         else:
             m = k_ok[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_rows + ks[None, :], mask=m, other=0.0, eviction_policy=policy)
     else:
         if MASK_N:
             w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None], other=0.0,
-                        eviction_policy="evict_first")
+                        eviction_policy=policy)
         else:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+            w = tl.load(w_rows + ks[None, :], eviction_policy=policy)
     return w
 
 

@@ -164,19 +164,8 @@ def _lm_row_block(logits_ptr, x, rows, V, VALID, w, MASK_N: tl.constexpr):
 def _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
                EVICT: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] tile of whole rows of E (masked only where the shape is ragged)."""
-    ptrs = e_ptr + rows.to(tl.int64)[:, None] * stride_e + offs_k[None, :]
-    if MASK_N or MASK_K:
-        m = (rows[:, None] < V) & (offs_k[None, :] < K)
-        if EVICT:
-            w = tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(ptrs, mask=m, other=0.0)
-    else:
-        if EVICT:
-            w = tl.load(ptrs, eviction_policy="evict_first")
-        else:
-            w = tl.load(ptrs)
-    return w
+    return _gemv._w_load(e_ptr + rows.to(tl.int64)[:, None] * stride_e, offs_k, rows < V,
+                         offs_k < K, MASK_N, MASK_K, EVICT)
 
 
 @triton.jit
