@@ -429,34 +429,19 @@ def _store_run(out_ptr, run, keys, r, KC: tl.constexpr):
 
 @triton.jit
 def _merge_runs(keys, CHUNK: tl.constexpr, KC: tl.constexpr):
-    """The KC best of CHUNK keys that hold CHUNK / KC runs of KC, even runs descending and odd
-    runs ascending: per pair of runs the element-wise max is a bitonic sequence holding the
-    pair's KC best (bitonic top-k), which one bitonic merge sorts; pairs of those again, until
-    one run is left. log2(KC) + 1 exchange rounds a level instead of a full sort of CHUNK.
-    Returns [KC], best first."""
+    """The KC best of CHUNK keys that hold CHUNK / KC (2 to 64) runs of KC, even runs descending
+    and odd runs ascending: per pair of runs the element-wise max is a bitonic sequence holding
+    the pair's KC best (bitonic top-k), which one bitonic merge (log2 KC exchange rounds) sorts;
+    the odd ones of those reversed, pairs again, until one run is left. Returns [KC], best
+    first."""
     ROWS: tl.constexpr = CHUNK // KC // 2
     tl.static_assert(ROWS >= 1 and ROWS <= 32)
     c = tl.max(tl.reshape(keys, (ROWS, 2, KC)), axis=1)
-    if ROWS >= 2:
-        c = tl.bitonic_merge(c, descending=True)
-        c = tl.where((tl.arange(0, ROWS) % 2 == 1)[:, None], tl.flip(c, 1), c)
-        c = tl.max(tl.reshape(c, (ROWS // 2, 2, KC)), axis=1)
-    if ROWS >= 4:
-        c = tl.bitonic_merge(c, descending=True)
-        c = tl.where((tl.arange(0, ROWS // 2) % 2 == 1)[:, None], tl.flip(c, 1), c)
-        c = tl.max(tl.reshape(c, (ROWS // 4, 2, KC)), axis=1)
-    if ROWS >= 8:
-        c = tl.bitonic_merge(c, descending=True)
-        c = tl.where((tl.arange(0, ROWS // 4) % 2 == 1)[:, None], tl.flip(c, 1), c)
-        c = tl.max(tl.reshape(c, (ROWS // 8, 2, KC)), axis=1)
-    if ROWS >= 16:
-        c = tl.bitonic_merge(c, descending=True)
-        c = tl.where((tl.arange(0, ROWS // 8) % 2 == 1)[:, None], tl.flip(c, 1), c)
-        c = tl.max(tl.reshape(c, (ROWS // 16, 2, KC)), axis=1)
-    if ROWS >= 32:
-        c = tl.bitonic_merge(c, descending=True)
-        c = tl.where((tl.arange(0, ROWS // 16) % 2 == 1)[:, None], tl.flip(c, 1), c)
-        c = tl.max(tl.reshape(c, (ROWS // 32, 2, KC)), axis=1)
+    for lv in tl.static_range(5):                 # rows of runs left: ROWS >> lv
+        if (ROWS >> lv) >= 2:
+            c = tl.bitonic_merge(c, descending=True)
+            c = tl.where((tl.arange(0, ROWS >> lv) % 2 == 1)[:, None], tl.flip(c, 1), c)
+            c = tl.max(tl.reshape(c, ((ROWS >> lv) // 2, 2, KC)), axis=1)
     return tl.reshape(tl.bitonic_merge(c, descending=True), (KC,))
 
 
@@ -570,9 +555,10 @@ def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
     kc = next_pow2(max(1, int(top_k_max)))
     # small vocab blocks: every block's sort is short (a 4,096-key sort costs ~60 us on the
     # H200, a 512-key one a few). A merge program takes up to 16 sorted runs (2,048 keys) and
-    # merges them instead of sorting them, so the levels are few: at the true vocab, 2 for 64
-    # candidates (top-k 20), 3 for 256 (top-p alone), where full sorts of 256 / 512 keys needed
-    # 4 and 8. In the sampled step on the H200 (ms at 640, top-k 20 / top-p 0.9 alone):
+    # merges them instead of sorting them, so the levels are few: at the true vocab 2 for 64
+    # candidates (top-k 20) and for 256 (top-p alone), the final kernel merging the last runs,
+    # where full sorts of 256 / 512 keys needed 4 and 8 levels and a sort in the final kernel.
+    # In the sampled step on the H200 (ms at 640, top-k 20 / top-p 0.9 alone):
     # 0.6210 / 0.6209 with the full sorts, 0.6165 / 0.6128 merging (greedy: 0.6047)
     if block_v is None:
         block_v = max(2 * kc, min(SAMPLE_BLOCK, next_pow2(vocab)))

@@ -287,11 +287,9 @@ def test_sampler_candidates_are_the_top_keys(kc, block_v, chunk):
     keys = keys[keys != KEY_EMPTY]
     best = torch.sort(keys, descending=True).values[:kc]
     ids = (4294967295 - (best & 4294967295)).tolist()
-    vals = (best >> 32).tolist()
     l = penalized_logits_ref(logits.cpu(), params, counts.cpu(), valid2)
     order = sorted(range(valid2), key=lambda i: (-float(l[i]), i))[:kc]
     assert ids == order
-    assert vals == sorted(vals, reverse=True) and len(set(ids)) == kc
 
 
 def test_sample_top_p_boundary_and_tie_order():
@@ -369,6 +367,9 @@ def test_sample_validates():
                            valid_vocab=VALID, top_k_max=16)
     with pytest.raises(ValueError):          # block_v below the candidate count
         sample_plan(V, 16, block_v=8)
+    sample_plan(V, 4, block_v=8, merge_chunk=256)  # 64 runs of 4: the most a merge takes
+    with pytest.raises(ValueError, match="64 times"):   # more runs than a merge program takes
+        sample_plan(V, 4, block_v=8, merge_chunk=512)
 
 
 # ------------------------------------------------------------------------------------------
