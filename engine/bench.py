@@ -22,29 +22,10 @@ from .errors import TritonChatError
 
 
 def measure_hbm_read_methods(nbytes: int, device, reps: int = 20) -> dict:
-    """Read bandwidth in GB/s of one pass over an nbytes bf16 buffer, two ways: torch.sum (fp32
-    accumulate) and our streaming read in whole-row tiles (kernels.bandwidth.row_sums, the
-    access pattern of the decode GEMVs). {"torch_sum": ..., "row_sums": ...}; the second is
-    missing where Triton cannot run on the device."""
-    import triton.testing
-    n = max(nbytes // 2, 1 << 20)
-    buf = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    out = {}
-
-    def timed(fn) -> float:
-        return n * 2 / (triton.testing.do_bench(fn, warmup=5, rep=reps * 5, return_mode="median") * 1e-3) / 1e9
-    out["torch_sum"] = timed(lambda: buf.sum(dtype=torch.float32))
-    if torch.device(device).type == "cuda":
-        from tritonchat.kernels.bandwidth import row_sums
-        cols = 1024
-        mat = buf[: n // cols * cols].view(-1, cols)
-        sums = torch.empty(mat.shape[0], dtype=torch.float32, device=device)
-        nread = mat.numel() * 2
-        out["row_sums"] = timed(lambda: row_sums(mat, sums)) * nread / (n * 2)
-        mat = sums = None
-    buf = None                      # give the 1.5 GB back to the driver
-    torch.cuda.empty_cache()
-    return out
+    """Read bandwidth in GB/s of one pass over an nbytes buffer, by torch.sum and by our
+    whole-row streaming read (kernels.bandwidth.read_rates_gb_s, which the tuner uses too)."""
+    from tritonchat.kernels.bandwidth import read_rates_gb_s
+    return read_rates_gb_s(nbytes, device, reps)
 
 
 def measure_hbm_read(nbytes: int, device, reps: int = 20) -> float:

@@ -134,6 +134,7 @@ class TritonBackend(Backend):
         self.prefill_graph = prefill_graph_enabled(self.device)
         self._sampling_key = None
         self._sample_kc = None               # the sampler's candidate count (sample_candidates)
+        self._mode_params: Optional[SamplingParams] = None   # the settings the two above follow
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
         self._last_token: Optional[int] = None   # the token in tok_buf, when the host knows it
@@ -448,11 +449,16 @@ class TritonBackend(Backend):
                                              minlength=self.cfg.vocab_size).to(torch.int32)
         seed = params.seed if params.seed is not None else (time.time_ns() & 0x7FFFFFFF)
         self.rng_state.copy_(torch.tensor([int(seed), 0], dtype=torch.int64))
+        self._mode_params = None            # the same object may come back with new values
         self._ensure_sampler_mode()
 
     def _ensure_sampler_mode(self) -> None:
-        from tritonchat.kernels.sampling import sample_candidates
+        # called at every decode launch; the settings change only in begin_sampling, so the
+        # mode is worked out there (or at the first launch) and not again per token
         p = self._params
+        if p is self._mode_params:
+            return
+        from tritonchat.kernels.sampling import sample_candidates
         plain_greedy = p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
         key = "argmax" if plain_greedy else "sample"
         # the sampler's candidate count follows the settings (a small top_k sorts far fewer keys);
@@ -461,6 +467,7 @@ class TritonBackend(Backend):
         if key != self._sampling_key or kc != self._sample_kc:
             self._sampling_key, self._sample_kc = key, kc
             self._invalidate_graph()
+        self._mode_params = p
 
     def sample(self) -> int:
         if self._pending_head:

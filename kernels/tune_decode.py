@@ -266,17 +266,10 @@ def replay_ms(graph, n: int, before=None) -> float:
 
 
 def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
-    """Measured HBM read bandwidth: one pass over a weights-sized buffer, the faster of a torch
-    sum and our whole-row streaming read (kernels.bandwidth.row_sums), as the bench's roofline."""
-    from .bandwidth import row_sums
-    buf = torch.ones(nbytes // 2 // 1024, 1024, device="cuda", dtype=DT)
-    sums = torch.empty(buf.shape[0], device="cuda", dtype=torch.float32)
-    ms = min(triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=3, rep=30),
-             triton.testing.do_bench(lambda: row_sums(buf, sums), warmup=3, rep=30))
-    nread = buf.numel() * buf.element_size()
-    del buf, sums
-    torch.cuda.empty_cache()
-    return nread / (ms * 1e-3) / 1e9
+    """Measured HBM read bandwidth over a weights-sized buffer: the faster of a torch sum and
+    our whole-row streaming read, as the bench's roofline (bandwidth.read_rates_gb_s)."""
+    from .bandwidth import read_rates_gb_s
+    return max(read_rates_gb_s(nbytes, "cuda", reps=6).values())
 
 
 # ------------------------------------------------------------------------------------------

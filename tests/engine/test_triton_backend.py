@@ -131,8 +131,12 @@ def test_interpreter_sampler_candidates_follow_the_settings(ckpt):
     b = Generator(tri, []).generate([4, 5, 6], p, max_new_tokens=5).token_ids
     assert a == b
     del tri._ensure_sampler_mode
-    Generator(tri, []).generate([4, 5, 6], SamplingParams(seed=7, top_k=0, top_p=0.5), max_new_tokens=1)
+    q = SamplingParams(seed=7, top_k=0, top_p=0.5)
+    Generator(tri, []).generate([4, 5, 6], q, max_new_tokens=1)
     assert tri._sample_kc == tri.top_k_max
+    q.top_k = 3                                       # the same settings object, changed
+    Generator(tri, []).generate([4, 5, 6], q, max_new_tokens=1)
+    assert tri._sample_kc == 32
 
 
 # ------------------------------------------------------------------------------------ GPU ----
