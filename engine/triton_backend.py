@@ -383,9 +383,8 @@ class TritonBackend(Backend):
                        eps=eps)
             self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
                          self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
-                         valid_vocab=self.valid_vocab, top_k_max=self._sample_kc)
-            self._launch("update_counts", 8, S.update_counts, self.counts, self.tok_buf, pos,
-                         self.tok_ring if advance else None)
+                         valid_vocab=self.valid_vocab, top_k_max=self._sample_kc, count=True, pos=pos,
+                         ring=self.tok_ring if advance else None)
 
     def _decode_step(self) -> None:
         """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""

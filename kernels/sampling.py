@@ -30,7 +30,8 @@ Gumbel-max: argmax_v (l_v / T - log(-log u_v)).
 Pipeline (all launches fixed at capture time; a path that the params do not select exits at
 once): a prepare kernel over vocab blocks (penalties; per-block sorted top-KC keys or per-block
 Gumbel maxima), 0+ merge levels that keep the top KC of groups of candidate runs, and a
-one-program final kernel that draws and advances the step counter. Candidates are int64 keys
+one-program final kernel that draws and advances the step counter (and, for the engine's step,
+counts the token and advances the position: no update_counts launch after it). Candidates are int64 keys
 (order-preserving float bits << 32 | ~id), so one sort orders by value then lower id. Every
 list of candidates is a sequence of sorted runs of KC, odd runs reversed: a merge program
 takes the element-wise max of two neighbouring runs (a bitonic sequence holding their KC best)
@@ -211,6 +212,13 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
                                         other=_KEY_EMPTY))
     tok = _unpack_idx(tl.max(best, axis=0))
     tl.store(token_ptr, tok.to(token_ptr.dtype.element_ty))
+    _count_and_advance(tok, counts_ptr, row_offset, pos_ptr, ring_ptr, COUNT, ADVANCE, RING)
+
+
+@triton.jit
+def _count_and_advance(tok, counts_ptr, row_offset, pos_ptr, ring_ptr, COUNT: tl.constexpr,
+                       ADVANCE: tl.constexpr, RING: tl.constexpr):
+    """counts[row_offset + tok] += 1 (COUNT); then pos += 1, with the ring write (ADVANCE)."""
     if COUNT:
         c = tl.load(counts_ptr + row_offset + tok.to(tl.int64))
         tl.store(counts_ptr + row_offset + tok.to(tl.int64), c + 1)
@@ -460,12 +468,16 @@ def _topk_merge_kernel(in_ptr, n_in, out_ptr, params_ptr,
 
 @triton.jit
 def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, token_ptr,
-                         N_DRAWS, KC: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_NB: tl.constexpr, DRAW_BLOCK: tl.constexpr):
+                         N_DRAWS, counts_ptr, row_offset, pos_ptr, ring_ptr,
+                         KC: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_NB: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+                         COUNT: tl.constexpr, ADVANCE: tl.constexpr, RING: tl.constexpr):
+    # COUNT / ADVANCE / RING: update_counts' work on the first draw, in this launch
     greedy, gumbel = _modes(params_ptr)
     seed = tl.load(seed_ptr)
     step = tl.load(seed_ptr + 1)
     out_ty = token_ptr.dtype.element_ty
+    tok0 = tl.program_id(0) * 0                         # the first draw's token
     if gumbel:
         nb = tl.arange(0, BLOCK_NB)
         for d0 in range(0, N_DRAWS, DRAW_BLOCK):
@@ -473,7 +485,9 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
             dm = draws < N_DRAWS
             keys = tl.load(gum_ptr + draws.to(tl.int64)[:, None] * NB + nb[None, :],
                            mask=dm[:, None] & (nb < NB)[None, :], other=_KEY_EMPTY)
-            tl.store(token_ptr + draws, _unpack_idx(tl.max(keys, axis=1)).to(out_ty), mask=dm)
+            tok = _unpack_idx(tl.max(keys, axis=1))
+            tl.store(token_ptr + draws, tok.to(out_ty), mask=dm)
+            tok0 = tl.where(d0 == 0, tl.sum(tl.where(draws == 0, tok, 0), axis=0), tok0)
     else:
         # the candidate runs (see _store_run) -> the KC best, best first
         if CHUNK > KC:
@@ -513,7 +527,9 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
             chosen = tl.minimum(chosen, n_pos - 1)
             tok = tl.sum(tl.where(rank[None, :] == chosen[:, None], ids[None, :], 0), axis=1)
             tl.store(token_ptr + draws, tok.to(out_ty), mask=draws < N_DRAWS)
+            tok0 = tl.where(d0 == 0, tl.sum(tl.where(draws == 0, tok, 0), axis=0), tok0)
     tl.store(seed_ptr + 1, step + N_DRAWS)
+    _count_and_advance(tok0, counts_ptr, row_offset, pos_ptr, ring_ptr, COUNT, ADVANCE, RING)
 
 
 @triton.jit
@@ -521,11 +537,8 @@ def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ring_ptr,
                           ADVANCE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
     _gemv._pdl_start(PDL)
     _gemv._pdl_wait(PDL)
-    tok = tl.load(token_ptr).to(tl.int64)
-    c = tl.load(counts_ptr + row_offset + tok)
-    tl.store(counts_ptr + row_offset + tok, c + 1)
-    if ADVANCE:
-        _advance(pos_ptr, ring_ptr, tok, RING)
+    _count_and_advance(tl.load(token_ptr).to(tl.int64), counts_ptr, row_offset, pos_ptr,
+                       ring_ptr, True, ADVANCE, RING)
 
 
 SAMPLE_BLOCK = 256           # smallest vocab block of the sampler (2 x candidates at least)
@@ -602,12 +615,16 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
                        seed_offset: torch.Tensor, token_out: torch.Tensor,
                        scratch: torch.Tensor, *, valid_vocab: int, top_k_max: int,
                        block_v: Optional[int] = None,
-                       merge_chunk: Optional[int] = None) -> torch.Tensor:
+                       merge_chunk: Optional[int] = None, count: bool = False,
+                       pos: Optional[torch.Tensor] = None,
+                       ring: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Draw token_out.numel() tokens from the processed logits (see the module docstring).
 
     logits float32 [V]; params float32 [NUM_PARAMS] (params_list); counts int32 [V] or [2, V];
     seed_offset int64 [2] = (seed, step), step advanced in place; token_out int32/int64 [n];
-    scratch int64 with >= sample_scratch_numel(V, top_k_max, n) elements. Returns token_out."""
+    scratch int64 with >= sample_scratch_numel(V, top_k_max, n) elements. `count`, `pos` and
+    `ring` do update_counts' work on the first token in the draw's own launch (count it;
+    advance the position, writing the token ring). Returns token_out."""
     if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
         raise ValueError("sample_from_logits: logits must be a contiguous float32 [V] vector")
     V = logits.numel()
@@ -650,7 +667,9 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
     draw_block = min(next_pow2(n_draws), max(1, 8192 // max(kc, block_nb)))
     _sample_final_kernel[(1,)](
         scratch[p["final_off"]:], p["n_final"], gum, nb, params, seed_offset, token_out,
-        n_draws, KC=kc, CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, num_warps=8)
+        n_draws, *_count_args(counts if count else None, token_out, pos, ring), KC=kc,
+        CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, COUNT=bool(count),
+        ADVANCE=pos is not None, RING=ring.numel() if ring is not None else 0, num_warps=8)
     return token_out
 
 

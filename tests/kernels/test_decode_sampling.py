@@ -194,6 +194,42 @@ def test_update_counts_advances_position_when_given():
 # sampler
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("settings,n_draws", [
+    (dict(temperature=0.8, top_k=5), 1),                  # candidates, merge levels
+    (dict(temperature=0.8, top_k=0, top_p=0.7), 3),       # candidates, several draws
+    (dict(temperature=0.8, top_k=0), 2),                  # Gumbel-max over the whole vocab
+    (dict(temperature=0.0, repetition_penalty=1.5), 1),   # greedy through the sampler
+])
+def test_sample_counts_and_advances_in_its_own_launch(settings, n_draws):
+    # count / pos / ring in the draw's launch do what update_counts after it does: the first
+    # token counted in the generated row, written to the ring at the old position, pos + 1
+    g = torch.Generator().manual_seed(3)
+    vocab, valid = 3000, 2990
+    logits = (torch.randn(vocab, generator=g) * 3).to(DEVICE)
+    params = torch.tensor(params_from_sampling(SamplingParams(**settings)), device=DEVICE)
+    got = []
+    for fused in (False, True):
+        counts = build_counts([5, 6, 6], [7], vocab, DEVICE)
+        seed = torch.tensor([11, 4], device=DEVICE, dtype=torch.int64)
+        tok = torch.full((n_draws,), -1, device=DEVICE, dtype=torch.int64)
+        pos = torch.tensor([10], device=DEVICE, dtype=torch.int64)
+        ring = torch.zeros(4, device=DEVICE, dtype=torch.int64)
+        scratch = torch.zeros(sample_scratch_numel(vocab, 32, n_draws, merge_chunk=64),
+                              device=DEVICE, dtype=torch.int64)
+        kw = dict(count=True, pos=pos, ring=ring) if fused else {}
+        sample_from_logits(logits, params, counts, seed, tok, scratch, valid_vocab=valid,
+                           top_k_max=32, merge_chunk=64, **kw)
+        if not fused:
+            update_counts(counts, tok, pos, ring)
+        got.append((tok.tolist(), counts.cpu(), int(pos), ring.tolist(), seed.tolist()))
+    (tok, counts, pos, ring, seed), want = got[1], got[0]
+    assert tok == want[0] and pos == want[2] == 11 and ring == want[3] and seed == want[4]
+    assert torch.equal(counts, want[1])
+    assert ring[10 % 4] == tok[0] >= 0 and int(counts[1, tok[0]]) == 1 + (tok[0] == 7)
+    assert int(counts[1].sum()) == 2                      # only the first draw is counted
+
+
+
 def _logits(seed, scale=1.5):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(V, generator=g) * scale).to(DEVICE)
