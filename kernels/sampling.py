@@ -30,13 +30,13 @@ Gumbel-max: argmax_v (l_v / T - log(-log u_v)).
 Pipeline (all launches fixed at capture time; a path that the params do not select exits at
 once): a prepare kernel over vocab blocks (penalties; per-block sorted top-KC keys or per-block
 Gumbel maxima), 0+ merge levels that keep the top KC of groups of candidate runs, and a
-one-program final kernel that draws and advances the step counter (and, for the engine's step,
-counts the token and advances the position: no update_counts launch after it). Candidates are int64 keys
-(order-preserving float bits << 32 | ~id), so one sort orders by value then lower id. Every
-list of candidates is a sequence of sorted runs of KC, odd runs reversed: a merge program
-takes the element-wise max of two neighbouring runs (a bitonic sequence holding their KC best)
-and sorts it with one bitonic merge, level after level within the program (bitonic top-k),
-which costs far fewer exchange rounds than sorting the group.
+one-program final kernel that draws and advances the step counter (and, in the engine's step,
+counts the token and advances the position: no update_counts launch after it). Candidates are
+int64 keys (order-preserving float bits << 32 | ~id), so one sort orders by value then lower
+id. Every list of candidates is a sequence of sorted runs of KC, odd runs reversed: a merge
+program takes the element-wise max of two neighbouring runs (a bitonic sequence holding their
+KC best) and sorts it with one bitonic merge, level after level within the program (bitonic
+top-k), which costs far fewer exchange rounds than sorting the group.
 
 The random stream: `seed_offset` = int64 device tensor [seed, step]; draw d of a call uses the
 Philox counter (step + d) << 32 | lane and the final kernel adds the number of draws to step.

@@ -229,7 +229,6 @@ def test_sample_counts_and_advances_in_its_own_launch(settings, n_draws):
     assert int(counts[1].sum()) == 2                      # only the first draw is counted
 
 
-
 def _logits(seed, scale=1.5):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(V, generator=g) * scale).to(DEVICE)
