@@ -23,9 +23,37 @@ WIDEST_NAME = "gemv_gdn_out_proj_gatednorm"     # the decode step's longest kern
 WIDEST_NUMBER = "3,743"                          # a number cell as wide as the LM head's GB/s
 COLUMNS = ("Kernel", "Calls", "\u00b5s/tok", "Share", "GB/s", "Roofline")
 COLUMN_TIPS = ("The kernel (a fused launch: its prologue and epilogue in the name)",
-               "Launches per generated token", "GPU microseconds per generated token",
-               "Share of the decode step's GPU time", "Bytes moved per second of kernel time",
+               "Launches per generated token",
+               "GPU microseconds per generated token, each kernel timed alone (an event before "
+               "and after it, so it does not overlap its neighbours)",
+               "Share of the kernels' summed time", "Bytes moved per second of kernel time",
                "Achieved bandwidth as a share of the measured HBM read bandwidth")
+# the decode loop's time per token against the kernels' sum: within this fraction they "match"
+OVERLAP_TOLERANCE = 0.03
+
+
+def kernel_sum_text(kernels: list[dict], tok_s: float | None) -> str:
+    """The line under the kernel table: the kernels' summed time, which is measured one kernel
+    at a time, against what the decode loop really takes per token. Under programmatic
+    dependent launch the captured step overlaps each kernel with the one before it, so the sum
+    is larger than the step; without the CUDA graph the host's launches make the loop slower
+    than the sum. Empty without kernels."""
+    total = sum(float(r.get("us_per_token") or 0.0) for r in kernels)
+    if total <= 0.0:
+        return ""
+    text = (f"Each kernel is timed alone (an event before and after it): together "
+            f"{total:,.0f} \u00b5s per token.")
+    if tok_s and tok_s > 0.0:
+        step = 1e6 / float(tok_s)
+        text += f" The decode loop takes {step:,.0f} \u00b5s per token ({float(tok_s):,.0f} tok/s)"
+        if step < total * (1.0 - OVERLAP_TOLERANCE):
+            text += (": in the captured step each kernel starts while the one before it finishes "
+                     "(programmatic dependent launch), so their times overlap.")
+        elif step > total * (1.0 + OVERLAP_TOLERANCE):
+            text += ": the rest is the host launching the kernels and the gaps between them."
+        else:
+            text += "."
+    return text
 
 
 def format_bytes(n) -> str:
@@ -110,8 +138,9 @@ class TimingPanel(QDockWidget):
         rows = self.table.verticalHeader()
         rows.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         rows.setDefaultSectionSize(self.table.fontMetrics().height() + 8)
-        self.table.setToolTip("GPU time per generated token, by kernel: share of the step and "
-                              "achieved memory bandwidth against the measured HBM roofline")
+        self.table.setToolTip("GPU time per generated token, by kernel (each timed alone): its "
+                              "share of the kernels' sum and its achieved memory bandwidth "
+                              "against the measured HBM roofline")
 
         self.bars = pg.PlotWidget(body)
         self.bars.setMinimumHeight(120)
@@ -119,6 +148,11 @@ class TimingPanel(QDockWidget):
         self.bars.setMouseEnabled(x=False, y=False)
         self.bars.hideButtons()
         self.bar_item: pg.BarGraphItem | None = None
+
+        self.kernel_sum = QLabel(body)          # the kernels' sum against the loop's time
+        self.kernel_sum.setObjectName("MutedLabel")
+        self.kernel_sum.setWordWrap(True)
+        self.kernel_sum.hide()
 
         self.memory = QLabel(body)
         self.memory.setObjectName("MutedLabel")
@@ -131,12 +165,14 @@ class TimingPanel(QDockWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.note)
         layout.addWidget(split, 1)
+        layout.addWidget(self.kernel_sum)
         layout.addWidget(self.memory)
         self.setWidget(body)
 
         self.xs: list[float] = []
         self.ys: list[float] = []
         self.kernels: list[dict] = []
+        self.tok_s: float | None = None         # the latest decode rate (for kernel_sum)
         self.roofline: dict | None = None
         self.triton = True
         self.set_colors(colors)
@@ -152,6 +188,7 @@ class TimingPanel(QDockWidget):
             self.note.show()
         self.table.setVisible(self.triton)
         self.bars.setVisible(self.triton)
+        self._update_kernel_sum()
 
     def set_colors(self, colors: Colors) -> None:
         self.colors = colors
@@ -197,6 +234,9 @@ class TimingPanel(QDockWidget):
             parts.append(f"context {int(stats['context_tokens']):,} / {int(stats['max_context']):,}")
         if parts:
             self.summary.setText(" \u00b7 ".join(parts))
+        if tok_s:
+            self.tok_s = float(tok_s)
+            self._update_kernel_sum()
         if stats.get("kernels"):
             self.set_kernels(stats["kernels"])
 
@@ -231,8 +271,14 @@ class TimingPanel(QDockWidget):
                 if j:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(i, j, item)
+        self._update_kernel_sum()
         if self.isVisible():
             self._draw_bars()
+
+    def _update_kernel_sum(self) -> None:
+        text = kernel_sum_text(self.kernels, self.tok_s) if self.triton else ""
+        self.kernel_sum.setText(text)
+        self.kernel_sum.setVisible(bool(text))
 
     def preferred_width(self) -> int:
         """A dock width that shows every column of the kernel table without scrolling (the

@@ -61,6 +61,9 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     names = [w.timing.table.item(r, 0).text() for r in range(w.timing.table.rowCount())]
     assert any("gemv" in n for n in names) and any("lm_head" in n for n in names)
     assert w.timing.xs and all(y > 0 for y in w.timing.ys)
+    # under the table: the kernels' sum (each timed alone) against the loop's time per token
+    assert w.timing.kernel_sum.isVisibleTo(w)
+    assert "timed alone" in w.timing.kernel_sum.text() and "decode loop" in w.timing.kernel_sum.text()
     # the bar chart grows a row per kernel, all of it inside the panel
     bars, split = w.timing.bars, w.timing.split
     qtbot.waitUntil(lambda: bars.height() >= bars.minimumHeight() > 120, timeout=5000)

@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from tritonchat.app.chat_input import MAX_LINES, ChatInput
 from tritonchat.app.conversation_list import ConversationList, age_text
 from tritonchat.app.theme import DARK, LIGHT
-from tritonchat.app.timing_panel import COLUMNS, TimingPanel, format_bytes
+from tritonchat.app.timing_panel import COLUMNS, TimingPanel, format_bytes, kernel_sum_text
 
 
 # ---------------------------------------------------------------- input
@@ -338,3 +338,34 @@ def test_tok_s_axis_labels_stay_short_so_the_title_clears_them(panel, qtbot):
     assert ticks and all(len(t) <= 4 for t in ticks), ticks
     fm = panel.plot.fontMetrics()
     assert axis.width() >= max(fm.horizontalAdvance(t) for t in ticks) + fm.height()
+
+
+def test_kernel_sum_says_how_the_kernels_add_up_against_the_loop():
+    rows = [{"us_per_token": 700.0}, {"us_per_token": 300.0}, {"us_per_token": None}]
+    assert kernel_sum_text([], 1000.0) == ""
+    assert kernel_sum_text([{"us_per_token": 0.0}], 1000.0) == ""
+    alone = kernel_sum_text(rows, None)
+    assert "1,000 \u00b5s per token" in alone and "decode loop" not in alone
+    # the graphed step overlaps its kernels: the loop is faster than their sum
+    fast = kernel_sum_text(rows, 1600.0)
+    assert "625 \u00b5s per token (1,600 tok/s)" in fast and "overlap" in fast
+    # without the graph the host's launches make the loop slower than the sum
+    slow = kernel_sum_text(rows, 250.0)
+    assert "4,000 \u00b5s per token (250 tok/s)" in slow and "host" in slow
+    even = kernel_sum_text(rows, 1010.0)
+    assert "990 \u00b5s" in even and "overlap" not in even and "host" not in even
+
+
+def test_timing_panel_kernel_sum_line_follows_kernels_and_rate(panel):
+    panel.set_capabilities({"triton": True})
+    assert not panel.kernel_sum.isVisibleTo(panel)
+    panel.set_kernels(DECODE_KERNELS)
+    total = sum(r["us_per_token"] for r in DECODE_KERNELS)
+    assert panel.kernel_sum.isVisibleTo(panel)
+    assert f"{total:,.0f} \u00b5s per token" in panel.kernel_sum.text()
+    panel.add_stats({"new_tokens": 64, "decode_tok_s": 1680.0})
+    assert "595 \u00b5s per token" in panel.kernel_sum.text() and "overlap" in panel.kernel_sum.text()
+    panel.add_stats({"new_tokens": 65, "decode_tok_s": 0.0})     # no rate: the last one stays
+    assert "595 \u00b5s per token" in panel.kernel_sum.text()
+    panel.set_capabilities({"triton": False})                    # the reference engine: no kernels
+    assert not panel.kernel_sum.isVisibleTo(panel) and panel.kernel_sum.text() == ""
