@@ -31,7 +31,7 @@ Pipeline (all launches fixed at capture time; a path that the params do not sele
 once): a prepare kernel over vocab blocks (penalties; per-block sorted top-KC keys or per-block
 Gumbel maxima), 0+ merge levels that keep the top KC of groups of candidate runs, and a
 one-program final kernel that draws and advances the step counter (and, in the engine's step,
-counts the token and advances the position: no update_counts launch after it). Candidates are
+counts the token and advances the position in the same launch). Candidates are
 int64 keys (order-preserving float bits << 32 | ~id), so one sort orders by value then lower
 id. Every list of candidates is a sequence of sorted runs of KC, odd runs reversed: a merge
 program takes the element-wise max of two neighbouring runs (a bitonic sequence holding their
@@ -45,8 +45,8 @@ use this; the engine draws one).
 
 `counts`: int32 [V] occurrences in the whole history (both penalties use it), or int32 [2, V]
 with row 0 = context (prompt) occurrences and row 1 = generated occurrences (repetition sees
-both rows, presence only row 1). `update_counts(counts, token)` adds the new token to the last
-row.
+both rows, presence only row 1). The drawn token is added to the last row by the launch that
+chooses it: `sample_from_logits(..., count=True)` or `lm_head_argmax(..., counts=counts)`.
 """
 from __future__ import annotations
 
@@ -270,8 +270,8 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
     zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
-    raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted as update_counts
-    does; `pos` (one int on the device): pos += 1 after the token is chosen; `ring` (int64
+    raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted in its last row
+    (the generated row of [2, V]); `pos` (one int on the device): pos += 1 after the token is chosen; `ring` (int64
     [R], with pos): ring[pos % R] = token before the advance. `persistent` (programs per SM,
     0 = the grid form of one program per row block), `num_stages` and `evict` (E's loads marked
     evict-first) complete the plan; unset, they and the tile sizes come from lm_head_plan.
@@ -472,7 +472,7 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
                          KC: tl.constexpr, CHUNK: tl.constexpr,
                          BLOCK_NB: tl.constexpr, DRAW_BLOCK: tl.constexpr,
                          COUNT: tl.constexpr, ADVANCE: tl.constexpr, RING: tl.constexpr):
-    # COUNT / ADVANCE / RING: update_counts' work on the first draw, in this launch
+    # COUNT / ADVANCE / RING: the first draw counted, the position advanced, in this launch
     greedy, gumbel = _modes(params_ptr)
     seed = tl.load(seed_ptr)
     step = tl.load(seed_ptr + 1)
@@ -530,15 +530,6 @@ def _sample_final_kernel(cand_ptr, n_cand, gum_ptr, NB, params_ptr, seed_ptr, to
             tok0 = tl.where(d0 == 0, tl.sum(tl.where(draws == 0, tok, 0), axis=0), tok0)
     tl.store(seed_ptr + 1, step + N_DRAWS)
     _count_and_advance(tok0, counts_ptr, row_offset, pos_ptr, ring_ptr, COUNT, ADVANCE, RING)
-
-
-@triton.jit
-def _update_counts_kernel(counts_ptr, token_ptr, row_offset, pos_ptr, ring_ptr,
-                          ADVANCE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
-    _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)
-    _count_and_advance(tl.load(token_ptr).to(tl.int64), counts_ptr, row_offset, pos_ptr,
-                       ring_ptr, True, ADVANCE, RING)
 
 
 SAMPLE_BLOCK = 256           # smallest vocab block of the sampler (2 x candidates at least)
@@ -623,9 +614,10 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
 
     logits float32 [V]; params float32 [NUM_PARAMS] (params_list); counts int32 [V] or [2, V];
     seed_offset int64 [2] = (seed, step), step advanced in place; token_out int32/int64 [n];
-    scratch int64 with >= sample_scratch_numel(V, top_k_max, n) elements. `count`, `pos` and
-    `ring` do update_counts' work on the first token in the draw's own launch (count it;
-    advance the position, writing the token ring). Returns token_out."""
+    scratch int64 with >= sample_scratch_numel(V, top_k_max, n) elements. `count`: the first
+    token is counted in the last row of `counts`; `pos` (one int on the device): pos += 1 after
+    the draw; `ring` (int64 [R], with pos): ring[pos % R] = the first token before the advance.
+    Returns token_out."""
     if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
         raise ValueError("sample_from_logits: logits must be a contiguous float32 [V] vector")
     V = logits.numel()
@@ -672,27 +664,6 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
         CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, COUNT=bool(count),
         ADVANCE=pos is not None, RING=ring.numel() if ring is not None else 0, num_warps=8)
     return token_out
-
-
-def update_counts(counts: torch.Tensor, token: torch.Tensor,
-                  pos: Optional[torch.Tensor] = None,
-                  ring: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """counts[last row][token[0]] += 1 on the device (the generated-token row of a [2, V]
-    counts tensor, or the only row of a [V] one); with `pos` (one int on the device) also
-    pos += 1, and with `ring` (int64 [R], needs pos) ring[pos % R] = token before that.
-    Returns counts."""
-    if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.dim() not in (1, 2):
-        raise ValueError("update_counts: counts must be contiguous int32 [V] or [2, V]")
-    if token.dtype not in (torch.int32, torch.int64) or token.numel() < 1:
-        raise ValueError("update_counts: token must be an int32/int64 device tensor")
-    if token.device != counts.device:
-        raise ValueError("update_counts: counts and token must be on one device")
-    c, row_offset, p, r = _count_args(counts, token, pos, ring)
-    _update_counts_kernel[(1,)](c, token, row_offset, p, r, ADVANCE=pos is not None,
-                                RING=ring.numel() if ring is not None else 0,
-                                PDL=_gemv.pdl_mode(token.device), num_warps=1,
-                                **_gemv._launch_kw(token.device))
-    return counts
 
 
 def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:

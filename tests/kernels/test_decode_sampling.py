@@ -10,7 +10,7 @@ from tritonchat.kernels.reference import (lm_head_argmax_ref, penalized_logits_r
                                           sample_from_logits_ref)
 from tritonchat.kernels.sampling import (build_counts, lm_head_argmax, lm_head_partials_numel,
                                          params_from_sampling, params_list, sample_from_logits,
-                                         sample_plan, sample_scratch_numel, update_counts)
+                                         sample_plan, sample_scratch_numel)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, VALID = 50, 45          # ids 45..49 play the padded embedding rows
@@ -177,19 +177,6 @@ def test_sample_candidates_follow_the_settings():
     assert all(sample_plan(248320, kc)["scratch_numel"] <= need for kc in (16, 32, 64, 128, 256))
 
 
-def test_update_counts_advances_position_when_given():
-    counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
-    pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
-    tok = torch.tensor([9], device=DEVICE, dtype=torch.int64)
-    ring = torch.zeros(3, device=DEVICE, dtype=torch.int64)
-    update_counts(counts, tok, pos, ring)
-    update_counts(counts, tok)
-    assert int(counts[1, 9]) == 2 and int(counts.sum()) == 2 and int(pos[0]) == 8
-    assert ring.tolist() == [0, 9, 0]                     # position 7 -> slot 7 % 3
-    with pytest.raises(ValueError, match="int64"):
-        update_counts(counts, tok, pos, ring.to(torch.int32))
-
-
 # ------------------------------------------------------------------------------------------
 # sampler
 # ------------------------------------------------------------------------------------------
@@ -201,8 +188,8 @@ def test_update_counts_advances_position_when_given():
     (dict(temperature=0.0, repetition_penalty=1.5), 1),   # greedy through the sampler
 ])
 def test_sample_counts_and_advances_in_its_own_launch(settings, n_draws):
-    # count / pos / ring in the draw's launch do what update_counts after it does: the first
-    # token counted in the generated row, written to the ring at the old position, pos + 1
+    # count / pos / ring in the draw's launch: the same draws as without them, the first token
+    # counted in the generated row, written to the ring at the old position, pos + 1
     g = torch.Generator().manual_seed(3)
     vocab, valid = 3000, 2990
     logits = (torch.randn(vocab, generator=g) * 3).to(DEVICE)
@@ -219,14 +206,33 @@ def test_sample_counts_and_advances_in_its_own_launch(settings, n_draws):
         kw = dict(count=True, pos=pos, ring=ring) if fused else {}
         sample_from_logits(logits, params, counts, seed, tok, scratch, valid_vocab=valid,
                            top_k_max=32, merge_chunk=64, **kw)
-        if not fused:
-            update_counts(counts, tok, pos, ring)
         got.append((tok.tolist(), counts.cpu(), int(pos), ring.tolist(), seed.tolist()))
-    (tok, counts, pos, ring, seed), want = got[1], got[0]
-    assert tok == want[0] and pos == want[2] == 11 and ring == want[3] and seed == want[4]
-    assert torch.equal(counts, want[1])
-    assert ring[10 % 4] == tok[0] >= 0 and int(counts[1, tok[0]]) == 1 + (tok[0] == 7)
-    assert int(counts[1].sum()) == 2                      # only the first draw is counted
+    (tok, counts, pos, ring, seed), (tok0, counts0, pos0, ring0, seed0) = got[1], got[0]
+    assert tok == tok0 and seed == seed0 and pos0 == 10 and ring0 == [0, 0, 0, 0]
+    want = counts0.clone()
+    want[1, tok[0]] += 1                                  # only the first draw is counted
+    assert torch.equal(counts, want)
+    assert pos == 11 and ring == [0, 0, tok[0], 0]        # position 10 -> slot 10 % 4
+
+
+def test_sample_count_args_validate():
+    logits = torch.zeros(V, device=DEVICE)
+    counts = torch.zeros(2, V, device=DEVICE, dtype=torch.int32)
+    params = torch.tensor(params_list(greedy=True), device=DEVICE)
+    so = torch.tensor([1, 0], device=DEVICE, dtype=torch.int64)
+    tok = torch.zeros(1, device=DEVICE, dtype=torch.int64)
+    pos = torch.tensor([7], device=DEVICE, dtype=torch.int32)
+    scratch = torch.zeros(sample_scratch_numel(V, 32), device=DEVICE, dtype=torch.int64)
+    kw = dict(valid_vocab=V, top_k_max=32)
+    with pytest.raises(ValueError, match="int64"):
+        sample_from_logits(logits, params, counts, so, tok, scratch, pos=pos,
+                           ring=torch.zeros(3, device=DEVICE, dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="pass pos"):
+        sample_from_logits(logits, params, counts, so, tok, scratch,
+                           ring=torch.zeros(3, device=DEVICE, dtype=torch.int64), **kw)
+    with pytest.raises(ValueError, match="one-element"):
+        sample_from_logits(logits, params, counts, so, tok, scratch,
+                           pos=torch.zeros(2, device=DEVICE, dtype=torch.int64), **kw)
 
 
 def _logits(seed, scale=1.5):
@@ -440,16 +446,20 @@ def test_reference_semantics_by_hand():
     assert (d[:4] > 0).all() and d[4:].sum() == 0
 
 
-def test_update_counts_and_build_counts():
+def test_build_counts_and_a_flat_counts_row():
     counts = build_counts([1, 1, 4], [2], V, device=DEVICE)
     assert counts.shape == (2, V) and int(counts[0, 1]) == 2 and int(counts[1, 2]) == 1
-    tok = torch.tensor([4], device=DEVICE, dtype=torch.int32)
-    update_counts(counts, tok)
-    update_counts(counts, tok)
-    assert int(counts[1, 4]) == 2 and int(counts[0, 4]) == 1 and int(counts.sum()) == 6
+    assert int(counts.sum()) == 4 and counts.dtype == torch.int32
+    # a [V] counts tensor (one history row): the drawn token is counted in it
     flat = torch.zeros(V, device=DEVICE, dtype=torch.int32)
-    update_counts(flat, torch.tensor([7], device=DEVICE, dtype=torch.int64))
-    assert int(flat[7]) == 1 and int(flat.sum()) == 1
+    logits = torch.zeros(V, device=DEVICE)
+    logits[7] = 5.0
+    tok = torch.zeros(1, device=DEVICE, dtype=torch.int64)
+    sample_from_logits(logits, torch.tensor(params_list(greedy=True), device=DEVICE), flat,
+                       torch.tensor([1, 0], device=DEVICE, dtype=torch.int64), tok,
+                       torch.zeros(sample_scratch_numel(V, 32), device=DEVICE, dtype=torch.int64),
+                       valid_vocab=V, top_k_max=32, count=True)
+    assert int(tok) == 7 and int(flat[7]) == 1 and int(flat.sum()) == 1
 
 
 def test_params_from_sampling_params():
@@ -545,8 +555,7 @@ def test_gpu_sampler_cuda_graph_reads_new_params():
 
     def step():
         sample_from_logits(logits, params, counts, so, tok, scratch, valid_vocab=REAL_VALID,
-                           top_k_max=256)
-        update_counts(counts, tok)
+                           top_k_max=256, count=True)
 
     step()                                               # compile outside the capture
     graph = torch.cuda.CUDAGraph()
