@@ -271,10 +271,11 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
     zero-centred RMSNorm is fused: logits = E @ round(rms_norm(h, norm_w, eps)), h being the
     raw residual stream. `counts` (int32 [V] or [2, V]): the token is counted in its last row
-    (the generated row of [2, V]); `pos` (one int on the device): pos += 1 after the token is chosen; `ring` (int64
-    [R], with pos): ring[pos % R] = token before the advance. `persistent` (programs per SM,
-    0 = the grid form of one program per row block), `num_stages` and `evict` (E's loads marked
-    evict-first) complete the plan; unset, they and the tile sizes come from lm_head_plan.
+    (the generated row of [2, V]); `pos` (one int on the device): pos += 1 after the token is
+    chosen; `ring` (int64 [R], with pos): ring[pos % R] = token before the advance.
+    `persistent` (programs per SM, 0 = the grid form of one program per row block),
+    `num_stages` and `evict` (E's loads marked evict-first) complete the plan; unset, they and
+    the tile sizes come from lm_head_plan.
     Returns token_out."""
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
