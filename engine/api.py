@@ -28,7 +28,7 @@ class SamplingParams:
 
 @dataclass
 class EngineOptions:
-    """How the engine is built. Switchable at run time: split_k, graph, timing."""
+    """How the engine is built. Switchable at run time: split_k, graph, timing, l2_state."""
 
     backend: str = "reference"      # "reference" | "triton"
     device: str = "cpu"             # "cpu" | "cuda"
@@ -37,6 +37,7 @@ class EngineOptions:
     split_k: bool = True
     graph: bool = True
     timing: bool = False            # per-kernel GPU timing (Triton backend only)
+    l2_state: bool = True           # GDN states kept in a persisting L2 window (graph decode, CUDA)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -43,7 +43,7 @@ def _build(args, split_k: bool, graph: bool, context: int):
     from .loader import load_backend, random_backend
     device = args.device or "cuda"
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
-                         split_k=split_k, graph=graph)
+                         split_k=split_k, graph=graph, l2_state=getattr(args, "l2_state", "on") == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:
@@ -323,6 +323,8 @@ def run_bench(args) -> int:
         be.configure(split_k=split_k, graph=graph)
         r = decode_run(be, prompt, new_tokens)
         r.update(split_k=split_k, graph=graph, fraction_of_roofline=r["decode_tok_s"] / roof_tok_s)
+        if be.name == "triton":                  # kernels of its graph with the L2 window on them
+            r["l2_state_nodes"] = be.l2_state_nodes if graph else 0
         toks = r.pop("token_ids")
         if ref_tokens is None:
             ref_tokens = toks
@@ -334,6 +336,21 @@ def run_bench(args) -> int:
     report["runs"] = runs
     report.update({k: runs[0][k] for k in ("decode_tok_s", "ms_per_token", "ttft_ms", "fraction_of_roofline")})
     be.configure(split_k=configs[0][0], graph=configs[0][1])
+    if args.compare and be.name == "triton" and configs[0][1]:
+        # the first configuration again with the GDN states' L2 window switched (engine/l2_state.py)
+        on = be.options.l2_state
+        be.configure(l2_state=not on)
+        r = decode_run(be, prompt, new_tokens)
+        r_nodes = be.l2_state_nodes
+        be.configure(l2_state=on)
+        same = r.pop("token_ids") == ref_tokens
+        r = {k: r[k] for k in ("decode_tok_s", "ms_per_token", "gpu_step_ms") if k in r}
+        r.update(l2_state=not on, l2_state_nodes=r_nodes, tokens_equal_first_config=same)
+        report["l2_state_switched"] = r
+        off, on_tok_s = (r["decode_tok_s"], runs[0]["decode_tok_s"]) if on else (runs[0]["decode_tok_s"], r["decode_tok_s"])
+        report["l2_state_speedup"] = on_tok_s / off
+        print(f"GDN states in L2 {'off' if on else 'on'}: {r['decode_tok_s']:.1f} tok/s "
+              f"(on / off {report['l2_state_speedup']:.3f}x)", file=sys.stderr)
     report["kernels"] = kernel_table(be, prompt)
     mem = be.memory_info()
     report["gpu_memory"] = {"allocated_gib": mem.get("allocated_bytes", 0) / 2**30,
@@ -413,7 +430,7 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("sampled", "long_context", "context_sweep", "prefill", "transformers"):
+    for key in ("l2_state_switched", "sampled", "long_context", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
 

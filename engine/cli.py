@@ -31,6 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, help="max context in tokens (default 32768)")
     p.add_argument("--split-k", choices=["on", "off"], default="on", help="split-K GEMV (Triton backend)")
     p.add_argument("--graph", choices=["on", "off"], default="on", help="CUDA Graph decode (Triton backend)")
+    p.add_argument("--l2-state", choices=["on", "off"], default="on",
+                   help="keep the GDN states in a persisting L2 window (Triton backend, graph decode)")
     p.add_argument("--offline", action="store_true", help="never download; use the cache or --model DIR")
 
 
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512)
     b.add_argument("--split-k", choices=["on", "off"], default="on")
     b.add_argument("--graph", choices=["on", "off"], default="on")
+    b.add_argument("--l2-state", choices=["on", "off"], default="on",
+                   help="GDN states in a persisting L2 window (--compare also measures it off)")
     b.add_argument("--context", type=int, default=None)
     b.add_argument("--compare", action="store_true",
                    help="split-K x graph matrix, transformers eager, long-context decode")
@@ -104,7 +108,8 @@ def _options(args, context_default: int = 32768):
     if ctx < 2:
         raise UsageError("--context must be at least 2 tokens.")
     return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
-                           split_k=args.split_k == "on", graph=args.graph == "on")
+                           split_k=args.split_k == "on", graph=args.graph == "on",
+                           l2_state=args.l2_state == "on")
 
 
 def _model_dir(model: Optional[str], offline: bool):

@@ -46,12 +46,36 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
     _load_mutable(backend, saved)
     if backend._timer_active is not None:
         backend._timer_active.events.clear()   # keep only the events recorded into the graph
-    g = torch.cuda.CUDAGraph()
+    window = backend.l2_state_window()
+    backend.l2_state_nodes = 0
+    g = _new_graph(keep=window is not None)
     with no_collection(), torch.cuda.graph(g, stream=stream):
         backend._decode_step()
     # capture records the kernels without running them, but restore anyway for safety
     _load_mutable(backend, saved)
+    if window is not None and getattr(g, "_tritonchat_kept", False):
+        # the GDN states persisting in L2 for every kernel of the step (engine/l2_state.py);
+        # without it the graph is the same, only slower
+        from .l2_state import L2StateError, set_graph_window
+        try:
+            backend.l2_state_nodes = set_graph_window(g.raw_cuda_graph(), *window)
+        except L2StateError as e:
+            backend.l2_state_failed(str(e))
+        g.instantiate()
     return g
+
+
+def _new_graph(keep: bool) -> "torch.cuda.CUDAGraph":
+    """A CUDAGraph; with keep, one whose cudaGraph_t stays editable until instantiate() (torch
+    2.7+: older ones give a plain graph, and the caller skips the edit)."""
+    if keep:
+        try:
+            g = torch.cuda.CUDAGraph(keep_graph=True)
+            g._tritonchat_kept = True
+            return g
+        except TypeError:
+            pass
+    return torch.cuda.CUDAGraph()
 
 
 def _save_mutable(backend):

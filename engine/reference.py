@@ -184,6 +184,11 @@ class ModelState:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.rec: dict[int, torch.Tensor] = {}
+        gdn = [i for i, kind in enumerate(cfg.layer_types) if kind != FULL_ATTENTION]
+        # the recurrent states are views of one buffer, so one address range covers them all
+        # (the Triton engine keeps that range in a persisting L2 window: engine/l2_state.py)
+        self.rec_buf = torch.zeros(len(gdn), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                   cfg.linear_value_head_dim, device=device, dtype=torch.float32)
         for i, kind in enumerate(cfg.layer_types):
             if kind == FULL_ATTENTION:
                 shape = (cfg.num_key_value_heads, max_context, cfg.head_dim)
@@ -191,8 +196,7 @@ class ModelState:
                               torch.zeros(shape, device=device, dtype=dtype))
             else:
                 self.conv[i] = torch.zeros(cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, device=device, dtype=dtype)
-                self.rec[i] = torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                          cfg.linear_value_head_dim, device=device, dtype=torch.float32)
+                self.rec[i] = self.rec_buf[gdn.index(i)]
         self.length = 0
 
     def zero_(self) -> None:

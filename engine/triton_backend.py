@@ -13,6 +13,7 @@ Triton prefill kernels take over, and as a cross-check).
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -129,6 +130,9 @@ class TritonBackend(Backend):
         self._graph = None
         self._timed_graph = None
         self._timed_graph_failed = False
+        self._l2_error: Optional[str] = None     # why the GDN states cannot persist in L2
+        self._l2_limit = 0                       # the L2 set aside for them now (bytes)
+        self.l2_state_nodes = 0                  # kernel nodes of the last graph with the window
         from .triton_prefill import prefill_graph_enabled
         # prompts up to 2,048 tokens replay a captured prefill per bucket length (CUDA)
         self.prefill_graph = prefill_graph_enabled(self.device)
@@ -671,17 +675,58 @@ class TritonBackend(Backend):
         self._pending_head = False
 
     # ------------------------------------------------------------------ switches/timing ----
+    def l2_state_window(self) -> Optional[tuple[int, int, float]]:
+        """(base, bytes, hit ratio) of the access policy window graph.capture puts on the
+        decode step's kernels, after setting aside that much L2 for persisting lines: the GDN
+        recurrent states (ModelState.rec_buf), when options.l2_state is on and the GPU can
+        (engine/l2_state.py). None otherwise, with the set-aside returned to normal L2."""
+        from . import l2_state as L2
+        want = (self.options.l2_state and self.device.type == "cuda" and self._l2_error is None
+                and self.state.rec_buf.numel() > 0)
+        try:
+            if not want:
+                if self._l2_limit:
+                    L2.set_persisting_limit(0)
+                    self._l2_limit = 0
+                return None
+            buf = self.state.rec_buf
+            nbytes = buf.numel() * buf.element_size()
+            max_persist, max_window = L2.device_limits(self.device.index or 0)
+            if max_persist <= 0 or max_window <= 0:
+                self.l2_state_failed("this GPU has no persisting L2 cache")
+                return None
+            nbytes = min(nbytes, max_window)
+            limit = min(nbytes, max_persist)
+            if limit != self._l2_limit:
+                L2.set_persisting_limit(limit)
+                self._l2_limit = limit
+            return buf.data_ptr(), nbytes, limit / nbytes
+        except L2.L2StateError as e:
+            self.l2_state_failed(str(e))
+            return None
+
+    def l2_state_failed(self, why: str) -> None:
+        """The persisting-L2 window cannot be used: say so once; decode goes on without it."""
+        if self._l2_error is None:
+            self._l2_error = why
+            print(f"tritonchat: the GDN states cannot be kept in L2 ({why.rstrip('.')}); "
+                  "decoding without it.", file=sys.stderr)
+        self.l2_state_nodes = 0
+
     def _invalidate_graph(self) -> None:
         self._graph = None
         self._timed_graph = None
         self._timed_graph_failed = False
 
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
-                  timing: Optional[bool] = None) -> None:
+                  timing: Optional[bool] = None, l2_state: Optional[bool] = None) -> None:
         if split_k is not None and bool(split_k) != self.options.split_k:
             self._set_split_k(bool(split_k))
         if graph is not None and bool(graph) != self.options.graph:
             self.options.graph = bool(graph)
+            self._invalidate_graph()
+        if l2_state is not None and bool(l2_state) != self.options.l2_state:
+            self.options.l2_state = bool(l2_state)
             self._invalidate_graph()
         if timing is not None:
             self.options.timing = bool(timing)
@@ -728,6 +773,14 @@ class TritonBackend(Backend):
     def close(self) -> None:
         self._drain()
         self._graph = None
+        self._timed_graph = None
         self.layers = []
+        if self._l2_limit:                        # the set-aside L2 back to everyone
+            from .l2_state import L2StateError, set_persisting_limit
+            try:
+                set_persisting_limit(0)
+            except L2StateError:
+                pass
+            self._l2_limit = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
