@@ -8,10 +8,10 @@ persisting for the kernels of a graph (an access policy window on each kernel no
 streaming weights can no longer evict it. The states live in one buffer (ModelState.rec_buf);
 engine/graph.py puts the window on every kernel node of the captured decode step.
 
-Measured on the H200 (docs/decode_log.md, stop 26): the step 0.6005 -> 0.5952 ms at position
-640 and 0.7413 -> 0.7311 at 32,704, tokens unchanged. A window over only half the range
-(hitRatio 0.5) was slower than none, and adding the conv states was slower than the recurrent
-states alone.
+Measured on the H200 (docs/decode_log.md, stop 26): the step ~1% faster at position 640 and
+~1.4% at 32,704, tokens unchanged, with the set-aside a little larger than the window; a
+set-aside of exactly the window's size gained nothing, and the driver's whole 37.5 MiB, or a
+window over half the range, was slower than none.
 
 The driver API is reached through ctypes (libcuda ships with every NVIDIA driver; no extra
 package). Every failure raises L2StateError with one sentence; the engine then captures the
@@ -31,6 +31,7 @@ _CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
 _CU_ACCESS_PROPERTY_STREAMING = 1
 _CU_ACCESS_PROPERTY_PERSISTING = 2
 _ATTR_VALUE_BYTES = 64          # CUkernelNodeAttrValue is a union padded to 64 bytes
+SLACK_BYTES = 2 << 20          # set aside this much L2 beyond the window (see TritonBackend)
 
 
 class L2StateError(RuntimeError):
