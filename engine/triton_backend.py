@@ -691,15 +691,16 @@ class TritonBackend(Backend):
                 return None
             buf = self.state.rec_buf
             nbytes = buf.numel() * buf.element_size()
-            max_persist, max_window = L2.device_limits(self.device.index or 0)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            max_persist, max_window = L2.device_limits(index)
             if max_persist <= 0 or max_window <= 0:
                 self.l2_state_failed("this GPU has no persisting L2 cache")
                 return None
             nbytes = min(nbytes, max_window)
             # the set-aside a little larger than the window: set to the window's size exactly,
-            # the states gained nothing on the H200; 1, 2 or 4 MiB more all
-            # gave the full gain, and the whole 37.5 MiB the driver allows was 7% slower (less
-            # L2 for everything else): docs/decode_log.md, stop 26
+            # the states gained nothing on the H200; 1, 2 or 4 MiB more all gave the full gain,
+            # and the whole 37.5 MiB the driver allows was 7% slower (less L2 for everything
+            # else): docs/decode_log.md, stop 26
             limit = min(nbytes + L2.SLACK_BYTES, max_persist)
             if limit != self._l2_limit:
                 L2.set_persisting_limit(limit)
