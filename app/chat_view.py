@@ -56,7 +56,7 @@ def format_stats(stats: dict | None) -> str:
     if s.get("dtype"):
         flags.append(_DTYPES.get(s["dtype"], str(s["dtype"])))
     if s.get("backend") == "triton":
-        for key, name in (("split_k", "split-K"), ("graph", "graph")):
+        for key, name in (("split_k", "split-K"), ("graph", "graph"), ("l2_state", "L2 states")):
             if key in s:
                 flags.append(f"{name} {'on' if s[key] else 'off'}")
     if flags:
@@ -74,6 +74,7 @@ def stats_tooltip(stats: dict | None) -> str:
             ("Thinking", "thinking_seconds", "{:,.1f} s"), ("Stop reason", "stop_reason", "{}"),
             ("Backend", "backend", "{}"), ("Device", "device", "{}"), ("Dtype", "dtype", "{}"),
             ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
+            ("GDN states in L2", "l2_state", "{}"),
             ("Context", "max_context", "{:,} tokens")]
     lines = []
     for label, key, fmt in rows:

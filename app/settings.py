@@ -35,6 +35,7 @@ class ChatSettings:
     thinking: bool = False              # Qwen3.5-0.8B answers without thinking by default
     split_k: bool = True
     graph: bool = True
+    l2_state: bool = True               # the GDN states in a persisting L2 window (Triton, CUDA)
     theme: str = "system"
 
     def sampling_params(self) -> SamplingParams:
@@ -82,6 +83,7 @@ def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -
         thinking=_get(qs, "generation/thinking", False, bool),
         split_k=_get(qs, "engine/split_k", True, bool),
         graph=_get(qs, "engine/graph", True, bool),
+        l2_state=_get(qs, "engine/l2_state", True, bool),
         theme=t if (t := _get(qs, "ui/theme", "system", str)) in ("system", "light", "dark") else "system",
     )
 
@@ -101,5 +103,6 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     qs.setValue("engine/context_length", int(s.context_length))
     qs.setValue("engine/split_k", bool(s.split_k))
     qs.setValue("engine/graph", bool(s.graph))
+    qs.setValue("engine/l2_state", bool(s.l2_state))
     qs.setValue("ui/theme", s.theme)
     qs.sync()

@@ -106,12 +106,17 @@ class SettingsDialog(QDialog):
                                        "context uses more memory. Applied without a restart.")
         self.split_k = QCheckBox("Split-K for the narrow projections")
         self.graph = QCheckBox("CUDA Graph for the decode step")
+        self.l2_state = QCheckBox("Keep the linear-attention states in L2")
         triton = bool(caps.get("triton", False))
         why = caps.get("reason") or "Needs the Triton backend on a CUDA GPU."
         for box, tip in ((self.split_k, "Split the reduction of the 1024-row projections over more "
                                          "thread blocks (fills the GPU; deterministic fp32 partial sums)"),
                          (self.graph, "Replay the whole decode step as one CUDA graph (removes CPU "
-                                      "launch overhead)")):
+                                      "launch overhead)"),
+                         (self.l2_state, "Set ~20 MB of the GPU's L2 cache aside so the 18 Gated "
+                                         "DeltaNet layers' recurrent states (18 MB, read and written "
+                                         "every token) stay there instead of coming back from memory "
+                                         "(with the CUDA graph; ~1% faster on an H200)")):
             box.setEnabled(triton)
             box.setToolTip(tip if triton else why)
         self.engine_note = QLabel(why if not triton else (f"Triton backend on {caps.get('device_name')}"
@@ -121,6 +126,7 @@ class SettingsDialog(QDialog):
         f.addRow("Context length", self.context_length)
         f.addRow("", self.split_k)
         f.addRow("", self.graph)
+        f.addRow("", self.l2_state)
         f.addRow("", self.engine_note)
         tabs.addTab(engine, "Engine")
 
@@ -155,6 +161,7 @@ class SettingsDialog(QDialog):
             self.context_length.setEditText(str(int(s.context_length)))
         self.split_k.setChecked(s.split_k)
         self.graph.setChecked(s.graph)
+        self.l2_state.setChecked(s.l2_state)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
 
     def _load_sampling(self, p: SamplingParams) -> None:
@@ -194,5 +201,6 @@ class SettingsDialog(QDialog):
             thinking=self.thinking.isChecked(),
             split_k=self.split_k.isChecked(),
             graph=self.graph.isChecked(),
+            l2_state=self.l2_state.isChecked(),
             theme=self.theme.currentData() or "system",
         )

@@ -98,8 +98,8 @@ class ChatSession:
         return self.backend.memory_info()
 
     # ---- switches ----
-    def configure(self, *, split_k=None, graph=None, timing=None) -> None:
-        self.backend.configure(split_k=split_k, graph=graph, timing=timing)
+    def configure(self, *, split_k=None, graph=None, timing=None, l2_state=None) -> None:
+        self.backend.configure(split_k=split_k, graph=graph, timing=timing, l2_state=l2_state)
         if timing and self._roofline is None and getattr(self.backend, "measure_roofline", None):
             self._roofline = self.backend.measure_roofline()
 

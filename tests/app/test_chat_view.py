@@ -223,6 +223,10 @@ def test_format_stats_line_and_tooltip():
     assert format_stats(None) == "" and format_stats({}) == ""
     tip = stats_tooltip(stats)
     assert "Prompt tokens: 20" in tip and "Thinking: 0.5 s" in tip and "Split-K: True" in tip
+    # the GDN states' L2 window, when the engine reports it
+    line = format_stats(dict(stats, l2_state=False))
+    assert line.endswith("triton bf16 split-K on graph off L2 states off")
+    assert "GDN states in L2: False" in stats_tooltip(dict(stats, l2_state=False))
 
 
 def test_interrupted_thinking_without_stats(view):

@@ -53,9 +53,10 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     msg = stored(w)[-1]
     assert msg.stats == on
     assert on["backend"] == "triton" and on["split_k"] is True and on["graph"] is True
+    assert on["l2_state"] is True and session.inner.backend.l2_state_nodes > 0
     assert on["new_tokens"] == 96 and on["decode_tok_s"] > 0
     line = w.chat.messages[-1].stats_label.text()
-    assert "triton" in line and "split-K on" in line and "graph on" in line
+    assert "triton" in line and "split-K on" in line and "graph on" in line and "L2 states on" in line
     # the kernel panel holds the GPU's per-kernel timings
     qtbot.waitUntil(lambda: w.timing.table.rowCount() > 0, timeout=20000)
     names = [w.timing.table.item(r, 0).text() for r in range(w.timing.table.rowCount())]
@@ -70,6 +71,16 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     qtbot.waitUntil(lambda: bars.geometry().bottom() < split.height(), timeout=5000)
     if shots:
         w.grab().save(os.path.join(shots, "gpu_window.png"))
+
+    # the GDN states' L2 window off: re-captured without it, the answer says so
+    s = copy.deepcopy(w.settings)
+    s.l2_state = False
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: ("configure", {"l2_state": False}) in session.calls, timeout=20000)
+    no_l2 = send(qtbot, w, "Again without the states in L2", timeout=120000)
+    assert no_l2["l2_state"] is False and no_l2["graph"] is True
+    assert session.inner.backend.l2_state_nodes == 0
+    assert "L2 states off" in w.chat.messages[-1].stats_label.text()
 
     # split-K and the graph off: the next answer runs without them, and slower (eager launches)
     s = copy.deepcopy(w.settings)

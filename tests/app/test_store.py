@@ -364,6 +364,7 @@ def test_stats_line_flat_and_empty():
     flat = {"ttft_ms": 5.0, "decode_tok_s": 0.0, "new_tokens": 0, "stop_reason": "stopped",
             "split_k": False, "graph": True}
     assert stats_line(flat) == "TTFT 5 ms · 0 tokens · stop: stopped · split-K off · CUDA Graph on"
+    assert stats_line(dict(flat, l2_state=True)).endswith("CUDA Graph on · L2 states on")
 
 
 def test_default_path_under_user_data_dir(monkeypatch, tmp_path: Path):
