@@ -43,7 +43,7 @@ def _build(args, split_k: bool, graph: bool, context: int):
     from .loader import load_backend, random_backend
     device = args.device or "cuda"
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
-                         split_k=split_k, graph=graph, l2_state=getattr(args, "l2_state", "on") == "on")
+                         split_k=split_k, graph=graph, l2_state=args.l2_state == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:

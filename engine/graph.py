@@ -48,12 +48,12 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
         backend._timer_active.events.clear()   # keep only the events recorded into the graph
     window = backend.l2_state_window()
     backend.l2_state_nodes = 0
-    g = _new_graph(keep=window is not None)
+    g, kept = _new_graph(keep=window is not None)
     with no_collection(), torch.cuda.graph(g, stream=stream):
         backend._decode_step()
     # capture records the kernels without running them, but restore anyway for safety
     _load_mutable(backend, saved)
-    if window is not None and getattr(g, "_tritonchat_kept", False):
+    if kept:
         # the GDN states persisting in L2 for every kernel of the step (engine/l2_state.py);
         # without it the graph is the same, only slower
         from .l2_state import L2StateError, set_graph_window
@@ -65,17 +65,15 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
     return g
 
 
-def _new_graph(keep: bool) -> "torch.cuda.CUDAGraph":
-    """A CUDAGraph; with keep, one whose cudaGraph_t stays editable until instantiate() (torch
-    2.7+: older ones give a plain graph, and the caller skips the edit)."""
+def _new_graph(keep: bool) -> tuple["torch.cuda.CUDAGraph", bool]:
+    """(a CUDAGraph, whether its cudaGraph_t stays editable until instantiate()): with keep, an
+    editable one where torch has keep_graph (2.7+); else a plain one."""
     if keep:
         try:
-            g = torch.cuda.CUDAGraph(keep_graph=True)
-            g._tritonchat_kept = True
-            return g
+            return torch.cuda.CUDAGraph(keep_graph=True), True
         except TypeError:
             pass
-    return torch.cuda.CUDAGraph()
+    return torch.cuda.CUDAGraph(), False
 
 
 def _save_mutable(backend):

@@ -189,6 +189,7 @@ class ModelState:
         # (the Triton engine keeps that range in a persisting L2 window: engine/l2_state.py)
         self.rec_buf = torch.zeros(len(gdn), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                    cfg.linear_value_head_dim, device=device, dtype=torch.float32)
+        slot = {i: j for j, i in enumerate(gdn)}
         for i, kind in enumerate(cfg.layer_types):
             if kind == FULL_ATTENTION:
                 shape = (cfg.num_key_value_heads, max_context, cfg.head_dim)
@@ -196,7 +197,7 @@ class ModelState:
                               torch.zeros(shape, device=device, dtype=dtype))
             else:
                 self.conv[i] = torch.zeros(cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, device=device, dtype=dtype)
-                self.rec[i] = self.rec_buf[gdn.index(i)]
+                self.rec[i] = self.rec_buf[slot[i]]
         self.length = 0
 
     def zero_(self) -> None:
