@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import sys
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
@@ -46,14 +47,12 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
     _load_mutable(backend, saved)
     if backend._timer_active is not None:
         backend._timer_active.events.clear()   # keep only the events recorded into the graph
-    window = backend.l2_state_window()
-    backend.l2_state_nodes = 0
-    g, kept = _new_graph(keep=window is not None)
+    g, window = _graph_for_window(backend)
     with no_collection(), torch.cuda.graph(g, stream=stream):
         backend._decode_step()
     # capture records the kernels without running them, but restore anyway for safety
     _load_mutable(backend, saved)
-    if kept:
+    if window is not None:
         # the GDN states persisting in L2 for every kernel of the step (engine/l2_state.py);
         # without it the graph is the same, only slower
         from .l2_state import L2StateError, set_graph_window
@@ -65,15 +64,20 @@ def capture(backend) -> "torch.cuda.CUDAGraph":
     return g
 
 
-def _new_graph(keep: bool) -> tuple["torch.cuda.CUDAGraph", bool]:
-    """(a CUDAGraph, whether its cudaGraph_t stays editable until instantiate()): with keep, an
-    editable one where torch has keep_graph (2.7+); else a plain one."""
-    if keep:
+def _graph_for_window(backend) -> tuple["torch.cuda.CUDAGraph", Optional[tuple]]:
+    """(the graph to capture into, the GDN states' L2 window to put on it or None). The window
+    needs a graph that stays editable until instantiate() (torch's keep_graph, 2.7+); where
+    torch has none the engine says so once and gives the set-aside L2 back."""
+    backend.l2_state_nodes = 0
+    window = backend.l2_state_window()
+    if window is not None:
         try:
-            return torch.cuda.CUDAGraph(keep_graph=True), True
+            return torch.cuda.CUDAGraph(keep_graph=True), window
         except TypeError:
-            pass
-    return torch.cuda.CUDAGraph(), False
+            backend.l2_state_failed("this PyTorch cannot edit a captured CUDA graph "
+                                    "(keep_graph needs PyTorch 2.7 or later)")
+            backend.l2_state_window()          # now refused: returns the set-aside L2
+    return torch.cuda.CUDAGraph(), None
 
 
 def _save_mutable(backend):

@@ -71,6 +71,39 @@ def test_engine_option_and_cli_flag():
     assert args.l2_state == "off"
 
 
+def test_torch_without_keep_graph_says_so_and_gives_the_l2_back(monkeypatch, capsys):
+    """A PyTorch whose CUDAGraph has no keep_graph cannot take the window: the engine says so
+    once, captures a plain graph and sets no L2 aside (the backend's own window logic, on a
+    stand-in for the device state; the driver calls recorded)."""
+    import types
+
+    from tritonchat.engine import graph as G
+    from tritonchat.engine.triton_backend import TritonBackend
+
+    limits = []
+    monkeypatch.setattr(L2, "device_limits", lambda index: (32 << 20, 64 << 20))
+    monkeypatch.setattr(L2, "set_persisting_limit", limits.append)
+
+    class OldGraph:                                  # torch < 2.7
+        def __init__(self):
+            self.plain = True
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", OldGraph)
+    be = types.SimpleNamespace(options=EngineOptions(l2_state=True), device=torch.device("cuda", 0),
+                               state=types.SimpleNamespace(rec_buf=torch.zeros(4, 8, 8)),
+                               _l2_error=None, _l2_limit=0, l2_state_nodes=7)
+    be.l2_state_window = types.MethodType(TritonBackend.l2_state_window, be)
+    be.l2_state_failed = types.MethodType(TritonBackend.l2_state_failed, be)
+    g, window = G._graph_for_window(be)
+    assert isinstance(g, OldGraph) and window is None
+    assert limits == [1024 + L2.SLACK_BYTES, 0] and be._l2_limit == 0 and be.l2_state_nodes == 0
+    err = capsys.readouterr().err
+    assert err.count("cannot be kept in L2") == 1 and "keep_graph" in err
+    g, window = G._graph_for_window(be)             # the next capture: no new attempt, silent
+    assert window is None and limits == [1024 + L2.SLACK_BYTES, 0]
+    assert "cannot be kept in L2" not in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------ GPU ----
 
 def _tri(path, **opts):
