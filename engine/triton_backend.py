@@ -681,6 +681,8 @@ class TritonBackend(Backend):
         recurrent states (ModelState.rec_buf), when options.l2_state is on and the GPU can
         (engine/l2_state.py). None otherwise, with the set-aside returned to normal L2."""
         from . import l2_state as L2
+        if self._l2_error is not None:
+            self.options.l2_state = False          # refused before: the switch says what runs
         want = (self.options.l2_state and self.device.type == "cuda" and self._l2_error is None
                 and self.state.rec_buf.numel() > 0)
         try:
@@ -712,7 +714,10 @@ class TritonBackend(Backend):
             return None
 
     def l2_state_failed(self, why: str) -> None:
-        """The persisting-L2 window cannot be used: say so once; decode goes on without it."""
+        """The persisting-L2 window cannot be used: say so once; decode goes on without it, and
+        the option reads off (as the graph's does when its capture fails), so the stats and the
+        app's status bar say what runs."""
+        self.options.l2_state = False
         if self._l2_error is None:
             self._l2_error = why
             print(f"tritonchat: the GDN states cannot be kept in L2 ({why.rstrip('.')}); "

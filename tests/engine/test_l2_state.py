@@ -97,11 +97,15 @@ def test_torch_without_keep_graph_says_so_and_gives_the_l2_back(monkeypatch, cap
     g, window = G._graph_for_window(be)
     assert isinstance(g, OldGraph) and window is None
     assert limits == [1024 + L2.SLACK_BYTES, 0] and be._l2_limit == 0 and be.l2_state_nodes == 0
+    assert be.options.l2_state is False             # the switch says what runs
     err = capsys.readouterr().err
     assert err.count("cannot be kept in L2") == 1 and "keep_graph" in err
     g, window = G._graph_for_window(be)             # the next capture: no new attempt, silent
     assert window is None and limits == [1024 + L2.SLACK_BYTES, 0]
     assert "cannot be kept in L2" not in capsys.readouterr().err
+    be.options.l2_state = True                      # switched on again: still refused, reads off
+    g, window = G._graph_for_window(be)
+    assert window is None and be.options.l2_state is False and limits == [1024 + L2.SLACK_BYTES, 0]
 
 
 # ------------------------------------------------------------------------------------ GPU ----
@@ -163,7 +167,7 @@ def test_gpu_window_failure_says_so_once_and_decodes(ckpt, monkeypatch, capsys):
     prompt = list(range(5, 30))
     res = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=20)
     assert len(res.token_ids) == 20 and tri._graph is not None and tri.options.graph
-    assert tri.l2_state_nodes == 0
+    assert tri.l2_state_nodes == 0 and not tri.options.l2_state
     err = capsys.readouterr().err
     assert err.count("cannot be kept in L2") == 1 and "CUresult 1" in err
     # later captures do not try again (and stay silent)
