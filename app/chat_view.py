@@ -76,8 +76,12 @@ def stats_tooltip(stats: dict | None) -> str:
             ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
             ("GDN states in L2", "l2_state", "{}"),
             ("Context", "max_context", "{:,} tokens")]
+    # the switches act on the Triton backend only (the reference one reports its options unused)
+    switches = {"split_k", "graph", "l2_state"} if stats.get("backend") not in (None, "triton") else set()
     lines = []
     for label, key, fmt in rows:
+        if key in switches:
+            continue
         if stats.get(key) is not None and stats.get(key) != "":
             try:
                 lines.append(f"{label}: {fmt.format(stats[key])}")

@@ -369,7 +369,9 @@ def stats_line(stats: dict | None) -> str:
         items.append(f"stop: {flat['stop_reason']}")
     if flat.get("backend"):
         items.append(str(flat["backend"]))
-    for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states")):
-        if key in flat:
-            items.append(f"{name} {'on' if flat[key] else 'off'}")
+    # the switches act on the Triton backend only (the reference one reports its options unused)
+    if flat.get("backend") in (None, "triton"):
+        for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states")):
+            if key in flat:
+                items.append(f"{name} {'on' if flat[key] else 'off'}")
     return " · ".join(items)
