@@ -317,6 +317,9 @@ def run_bench(args) -> int:
               "prompt_len": prompt_len, "new_tokens": new_tokens, "context": context,
               "roofline": {"hbm_read_gb_s": hbm, "hbm_read_methods_gb_s": methods, "bytes_per_token": nbytes,
                            "floor_ms": nbytes / hbm / 1e6, "tok_s": roof_tok_s}}
+    if be.name == "triton":
+        # positions where the decode step changes plans (one captured graph per range)
+        report["context_range_bounds"] = be.context_range_bounds
     runs = []
     ref_tokens = None
     for split_k, graph in configs:
@@ -351,6 +354,19 @@ def run_bench(args) -> int:
         report["l2_state_speedup"] = on_tok_s / off
         print(f"GDN states in L2 {'off' if on else 'on'}: {r['decode_tok_s']:.1f} tok/s "
               f"(on / off {report['l2_state_speedup']:.3f}x)", file=sys.stderr)
+        if be.context_range_bounds:
+            # and with the table's base plans at every position (one graph instead of one per
+            # context range; the ranges' plans sum in another order, so tokens may differ)
+            be.set_context_ranges(False)
+            r = decode_run(be, prompt, new_tokens)
+            be.set_context_ranges(True)
+            same = r.pop("token_ids") == ref_tokens
+            r = {k: r[k] for k in ("decode_tok_s", "ms_per_token", "gpu_step_ms") if k in r}
+            report["context_ranges_switched"] = dict(r, context_ranges=False,
+                                                     tokens_equal_first_config=same)
+            report["context_ranges_speedup"] = runs[0]["decode_tok_s"] / r["decode_tok_s"]
+            print(f"context ranges off (one graph): {r['decode_tok_s']:.1f} tok/s (on / off "
+                  f"{report['context_ranges_speedup']:.3f}x)", file=sys.stderr)
     report["kernels"] = kernel_table(be, prompt)
     mem = be.memory_info()
     report["gpu_memory"] = {"allocated_gib": mem.get("allocated_bytes", 0) / 2**30,
@@ -430,7 +446,7 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("l2_state_switched", "sampled", "long_context", "context_sweep", "prefill", "transformers"):
+    for key in ("l2_state_switched", "context_ranges_switched", "sampled", "long_context", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
 

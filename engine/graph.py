@@ -1,9 +1,12 @@
 """CUDA Graph of one decode step: captured once after warm-up, replayed as the position advances.
 
 The step reads its token id and position from device tensors (tok_buf, pos_buf) and writes the
-next token into tok_buf and pos_buf + 1, so the same graph serves every position until the
-context is full. Switching split-K, the sampler mode or the context invalidates it; the next step
-re-captures on the engine's thread. If capture fails, one message and eager decode.
+next token into tok_buf and pos_buf + 1, so the same graph serves every position of its context
+range until the context is full. Where the decode table has plans for short contexts the engine
+keeps one graph per range of positions, all captured together, and replays the one of each
+step's position (the host knows it). Switching split-K, the sampler mode or the context
+invalidates them; the next step re-captures on the engine's thread. If capture fails, one
+message and eager decode.
 """
 from __future__ import annotations
 
@@ -103,16 +106,33 @@ def _load_mutable(backend, saved) -> None:
     backend.rng_state.copy_(saved["rng"])
 
 
+def capture_ranges(backend) -> list:
+    """One captured decode step per context range of the backend (its plans differ by the
+    position: TritonBackend._ranges), all at once, so that no graph is captured as the position
+    advances. The backend's current range is kept."""
+    keep = backend._range
+    graphs = []
+    try:
+        for i in range(len(backend._ranges)):
+            backend._use_range(i)
+            graphs.append(capture(backend))
+    finally:
+        backend._use_range(keep)
+    return graphs
+
+
 def replay_or_capture(backend) -> None:
-    """Run one decode step through the CUDA graph, capturing it first if needed."""
-    if backend._graph is None:
+    """Run one decode step through the CUDA graph of the backend's context range, capturing
+    the graphs first if needed."""
+    if backend._graphs is None:
         try:
-            backend._graph = capture(backend)
+            backend._graphs = capture_ranges(backend)
         except Exception as e:  # driver/memory trouble: say it once, decode eagerly from now on
             backend.options.graph = False
-            backend._graph = None
+            backend._graphs = backend._graph = None
             backend.graph_error = f"CUDA Graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); decoding without it."
             print(f"tritonchat: {backend.graph_error}", file=sys.stderr)
             backend._decode_step()
             return
+    backend._graph = backend._graphs[backend._range]
     backend._graph.replay()

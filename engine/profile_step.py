@@ -147,7 +147,6 @@ def main(argv=None) -> int:
 
     from .api import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
-    from .graph import replay_or_capture
     from .loader import random_backend
 
     cfg = qwen35_08b_config()
@@ -161,15 +160,15 @@ def main(argv=None) -> int:
         return _host_profile(be, args)
     if args.prefill:
         return _prefill_profile(be, args)
-    replay_or_capture(be)
+    graph = be.graph_for(args.pos)             # the step of that position's context range
     for _ in range(3):
-        replay_ms(be._graph, 20, before=lambda: be.pos_buf.fill_(args.pos))
-    wall = replay_ms(be._graph, args.steps, before=lambda: be.pos_buf.fill_(args.pos))
+        replay_ms(graph, 20, before=lambda: be.pos_buf.fill_(args.pos))
+    wall = replay_ms(graph, args.steps, before=lambda: be.pos_buf.fill_(args.pos))
     be.pos_buf.fill_(args.pos)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            be._graph.replay()
+            graph.replay()
         torch.cuda.synchronize()
     events = _kernel_events(prof)
     summary = summarize(events, args.steps)

@@ -94,6 +94,24 @@ class _Timer:
     step_seconds: float = 0.0
 
 
+def context_ranges(base: dict, range_plans: dict) -> list[tuple[Optional[int], dict]]:
+    """[(below, plans)] for positions [previous below or 0, below), the last (None, base) for
+    every position past them: each range's plans are `base` with, for each key of range_plans
+    ({key: [(below, plan)] ascending}), the plan of the first of its ranges that reaches past
+    the range's start."""
+    bounds = sorted({b for rps in range_plans.values() for b, _ in rps})
+    out: list[tuple[Optional[int], dict]] = []
+    lo = 0
+    for b in bounds:
+        plans = dict(base)
+        for key, rps in range_plans.items():
+            plans[key] = next((p for below, p in rps if lo < below), base[key])
+        out.append((b, plans))
+        lo = b
+    out.append((None, base))
+    return out
+
+
 class TritonBackend(Backend):
     name = "triton"
 
@@ -123,13 +141,15 @@ class TritonBackend(Backend):
         self._pack_weights(weights)
         self._allocate(options.max_context)
         self._gdn_block_v = None                  # from the tuned table (gdn_decode_core default)
+        self._graph = None                        # the decode graph last replayed
+        self._graphs: Optional[list] = None       # one captured decode step per context range
+        self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
+        self._timed_graph_failed = False
+        self._context_ranges = True               # the table's per-context-range plans in use
         self._set_split_k(options.split_k)
         self._timer: Optional[_Timer] = None
         self._timing_interval_s = 0.5
         self._last_timed = 0.0
-        self._graph = None
-        self._timed_graph = None
-        self._timed_graph_failed = False
         self._l2_error: Optional[str] = None     # why the GDN states cannot persist in L2
         self._l2_limit = 0                       # the L2 set aside for them now (bytes)
         self.l2_state_nodes = 0                  # kernel nodes of the last graph with the window
@@ -246,6 +266,7 @@ class TritonBackend(Backend):
         self.options.split_k = bool(enabled)
         cfg = self.cfg
         self._fplans: dict = {}
+        range_plans: dict = {}                     # key -> [(below, plan)] (context ranges)
         need_p, need_c = 1, 1
 
         def add(W, prologue, epilogue, head_dim=0):
@@ -256,8 +277,13 @@ class TritonBackend(Backend):
                 return
             p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
             self._fplans[key] = p
-            np_, nc = G.fused_scratch_numel(n_out, p, epilogue == "silu_mul")
-            need_p, need_c = max(need_p, np_), max(need_c, nc)
+            rps = (G.fused_range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
+                                       split_k_enabled=enabled) if self._context_ranges else [])
+            if rps:
+                range_plans[key] = rps
+            for q in [p] + [rp for _, rp in rps]:
+                np_, nc = G.fused_scratch_numel(n_out, q, epilogue == "silu_mul")
+                need_p, need_c = max(need_p, np_), max(need_c, nc)
 
         for L in self.layers:
             m = L.mixer
@@ -286,7 +312,48 @@ class TritonBackend(Backend):
         self._lm_plan = lm
         self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
                                             device=self.device, dtype=torch.int64)
+        self._ranges = context_ranges(self._fplans, range_plans)
+        self._use_range(len(self._ranges) - 1)
         self._invalidate_graph()
+
+    # ------------------------------------------------------------------ context ranges ----
+    # Some plans are faster only at short contexts (decode_tuning.json, `context_ranges` of an
+    # entry). The host knows each step's position, so the engine keeps one set of plans, and
+    # one captured decode step, per range of positions, and picks by the position: the graphs
+    # are all captured together, so none is captured as the position advances.
+    def set_context_ranges(self, enabled: bool) -> None:
+        """Use the table's per-context-range plans (the default) or its base plans at every
+        position (one graph; what engine/tune_step.py tunes)."""
+        if bool(enabled) != self._context_ranges:
+            self._context_ranges = bool(enabled)
+            self._set_split_k(self.options.split_k)
+
+    def _range_of(self, pos: int) -> int:
+        for i, (below, _) in enumerate(self._ranges):
+            if below is None or pos < below:
+                return i
+        return len(self._ranges) - 1
+
+    def _use_range(self, i: int) -> None:
+        self._range = i
+        self._plans_now = self._ranges[i][1]
+
+    @property
+    def context_range_bounds(self) -> list[int]:
+        """Positions at which the decode step changes plans (and graphs); [] for one range."""
+        return [b for b, _ in self._ranges if b is not None]
+
+    def graph_for(self, pos: int):
+        """The captured decode step that serves position `pos` (every range's captured first if
+        needed), for tools that replay it from a position they put in pos_buf. Raises when
+        capture fails."""
+        from .graph import capture_ranges
+        self._use_range(self._range_of(pos))
+        if self._graphs is None:
+            with torch.inference_mode():
+                self._graphs = capture_ranges(self)
+        self._graph = self._graphs[self._range]
+        return self._graph
 
     # ------------------------------------------------------------------- kernel calls ----
     def _launch(self, name: str, nbytes: int, fn, *args, **kw):
@@ -307,7 +374,7 @@ class TritonBackend(Backend):
     def _gemv(self, name: str, x, W, out, prologue: str = "none", epilogue: str = "plain", **kw):
         """One fused decode GEMV (RMSNorm / gated-norm prologue; residual / SiLU*up / conv epilogue)."""
         from tritonchat.kernels.gemv import gemv_fused
-        p = self._fplans[(tuple(W.shape), prologue, epilogue)]
+        p = self._plans_now[(tuple(W.shape), prologue, epilogue)]
         nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
         self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
                      counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
@@ -345,7 +412,7 @@ class TritonBackend(Backend):
                 kc, vc = self.state.kv[i]
                 # bytes: the KV read is position dependent; counted at the current length
                 kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
-                o_plan = self._fplans[(tuple(m.o_proj.shape), "none", "residual")]
+                o_plan = self._plans_now[(tuple(m.o_proj.shape), "none", "residual")]
                 defer = self._attn_defer if o_plan.get("persistent", 0) else 0
                 groups = bool(defer) and self._attn_defer_groups
                 self._launch("attention_decode", kv_bytes, attention_decode,
@@ -436,6 +503,7 @@ class TritonBackend(Backend):
     def logits(self) -> torch.Tensor:
         if self._pending_head:
             self._ensure_sampler_mode()
+            self._use_range(self._range_of(max(0, self.state.length - 1)))
             with torch.inference_mode():
                 self._head_step(self._sampling_key == "sample")
             self._pending_head = False
@@ -541,6 +609,7 @@ class TritonBackend(Backend):
     def _run_decode(self) -> None:
         if self.state.length >= self.options.max_context:
             raise ContextFullError(f"The context of {self.options.max_context} tokens is full.")
+        self._use_range(self._range_of(self.state.length))
         with torch.inference_mode():
             if self._timer is not None and time.perf_counter() - self._last_timed >= self._timing_interval_s:
                 self._timed_decode()
@@ -553,18 +622,24 @@ class TritonBackend(Backend):
         self._pending_head = False
 
     def _capture_timed_graph(self) -> None:
-        """The decode step with an event-record node between kernels (for the timing panel)."""
+        """The decode step with an event-record node between kernels (for the timing panel), one
+        per context range, as the untimed ones."""
         t = self._timer
-        events: list = []
-        t.events = events
+        keep = self._range
+        graphs = []
         self._timer_active = t
         try:
-            self._timed_graph = capture_graph(self)
-            self._timed_events = list(events)
+            for i in range(len(self._ranges)):
+                self._use_range(i)
+                events: list = []
+                t.events = events
+                graphs.append((capture_graph(self), list(events)))
+            self._timed_graphs = graphs
         except Exception:
             self._timed_graph_failed = True
         finally:
             self._timer_active = None
+            self._use_range(keep)
 
     def _timed_decode(self) -> None:
         """One decode step whose kernels are timed: replayed from a graph with an event-record node
@@ -574,12 +649,13 @@ class TritonBackend(Backend):
         if self.device.type != "cuda":
             self._decode_step()
             return
-        if self._timed_graph is None and not self._timed_graph_failed:
+        if self._timed_graphs is None and not self._timed_graph_failed:
             self._capture_timed_graph()
-        if self._timed_graph is not None:
-            self._timed_graph.replay()
+        if self._timed_graphs is not None:
+            graph, events = self._timed_graphs[self._range]
+            graph.replay()
             torch.cuda.synchronize(self.device)
-            self._accumulate(self._timed_events)
+            self._accumulate(events)
         else:
             t.events = []
             self._timer_active = t
@@ -726,7 +802,8 @@ class TritonBackend(Backend):
 
     def _invalidate_graph(self) -> None:
         self._graph = None
-        self._timed_graph = None
+        self._graphs = None
+        self._timed_graphs = None
         self._timed_graph_failed = False
 
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
@@ -746,14 +823,14 @@ class TritonBackend(Backend):
             # capture the timed step now (the panel opens between answers), not inside the
             # next answer's first step, where it would cost that answer ~20 ms
             if (timing and self.options.graph and self.device.type == "cuda"
-                    and self._sampling_key is not None and self._timed_graph is None
+                    and self._sampling_key is not None and self._timed_graphs is None
                     and not self._timed_graph_failed):
                 with torch.inference_mode():
                     self._capture_timed_graph()
 
     def set_max_context(self, n: int) -> None:
         self._drain()
-        self._graph = None
+        self._invalidate_graph()
         del self.state
         torch.cuda.empty_cache() if self.device.type == "cuda" else None
         self._allocate(int(n))
@@ -783,8 +860,7 @@ class TritonBackend(Backend):
 
     def close(self) -> None:
         self._drain()
-        self._graph = None
-        self._timed_graph = None
+        self._invalidate_graph()
         self.layers = []
         if self._l2_limit:                        # the set-aside L2 back to everyone
             from .l2_state import L2StateError, set_persisting_limit

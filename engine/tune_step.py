@@ -34,10 +34,8 @@ def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
     """Median ms of one decode step: graph replays back to back from position `pos`."""
     from tritonchat.kernels.tune_decode import replay_ms
 
-    from .graph import replay_or_capture
-    if be._graph is None:
-        replay_or_capture(be)                   # captures (JIT first) and runs one step
-    return statistics.median(replay_ms(be._graph, n, before=lambda: be.pos_buf.fill_(pos))
+    g = be.graph_for(pos)                       # captures (JIT first) if needed
+    return statistics.median(replay_ms(g, n, before=lambda: be.pos_buf.fill_(pos))
                              for _ in range(reps))
 
 
@@ -110,6 +108,7 @@ def main(argv=None) -> int:
     cfg = qwen35_08b_config()
     be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
                                            max_context=args.max_context, split_k=True, graph=True))
+    be.set_context_ranges(False)                 # the base plans, at every position
     be.prefill(list(range(1000, 1128)))
     be.begin_sampling(SamplingParams(greedy=True), [])     # the greedy step: LM head + argmax
     be.sample()

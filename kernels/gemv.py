@@ -898,6 +898,38 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
     return p
 
 
+def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+                      head_dim: int = 0, split_k_enabled: bool = True) -> list[tuple[int, dict]]:
+    """[(below, plan)], ascending: the plans the step measured faster than the entry's own for
+    contexts shorter than `below` positions (decode_tuning.json, the entry's `context_ranges`;
+    the engine captures one decode graph per range, engine/triton_backend.py). A plan applies
+    from the previous range's `below` (or 0) up to its own. [] without such ranges; a range
+    that is malformed, repeats a bound, splits K with split-K off or does not fit the shape
+    (as fused_plan checks the entry's own plan) is left out."""
+    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    if e is None or not isinstance(e.get("context_ranges"), list):
+        return []
+    out: dict[int, dict] = {}
+    for r in e["context_ranges"]:
+        try:
+            below = int(r["below"])
+            p = dict(split_k=int(r["split_k"]), block_n=int(r["block_n"]),
+                     block_k=int(r["block_k"]), num_warps=int(r["num_warps"]),
+                     persistent=int(r.get("persistent", 0)))
+        except (KeyError, TypeError, ValueError):
+            continue
+        pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (p["block_n"], p["block_k"], p["num_warps"]))
+        if (below <= 0 or below in out or not pow2 or p["split_k"] < 1
+                or p["persistent"] not in (0, 1, 2) or (p["persistent"] and p["split_k"] != 1)
+                or (not split_k_enabled and p["split_k"] > 1)):
+            continue
+        if prologue == "gated" and not (p["block_k"] <= next_pow2(head_dim) or (
+                p["persistent"] and gated_persistent_ok(k, head_dim))):
+            continue
+        out[below] = p
+    return sorted(out.items())
+
+
 def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
     """(fp32 partials, int32 counters) elements a split-K fused launch needs (0, 0 if none).
     The counters must be zeroed once at allocation; the kernel leaves them at zero."""

@@ -341,8 +341,102 @@ def test_opening_the_timing_panel_captures_the_timed_step_at_once(ckpt):
     gen = Generator(tri, [])
     prompt = list(range(3, 24))
     a = gen.generate(prompt, GREEDY, max_new_tokens=5).token_ids
-    assert tri._timed_graph is None
+    assert tri._timed_graphs is None
     tri.configure(timing=True)
-    assert tri._timed_graph is not None
+    assert tri._timed_graphs is not None
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=5).token_ids
     assert a == b and tri.kernel_timings()
+
+
+# ------------------------------------------------------------------------- context ranges ----
+
+@pytest.fixture
+def range_table(tmp_path, monkeypatch):
+    """Put per-context-range plans for the q|k|v and gate|up GEMVs of a backend into a decode
+    table of its own (the packaged table has none for the tiny shapes): below 24 positions the
+    persistent form with 2-row blocks, below 30 the grid form with 4-row blocks and 32-wide
+    tiles, past 30 the base plans. Returns a function of the backend (and bounds)."""
+    import json
+
+    from tritonchat.kernels import gemv as G
+
+    def install(tri, bounds=(24, 30)):
+        entries = []
+        for (shape, pro, epi), plan in tri._fplans.items():
+            n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
+            e = dict(plan, key=G.fused_key(n_out, shape[1], pro, epi))
+            if pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
+                e["context_ranges"] = [
+                    dict(below=bounds[0], split_k=1, block_n=2, block_k=16, num_warps=4, persistent=1),
+                    dict(below=bounds[1], split_k=1, block_n=4, block_k=32, num_warps=4, persistent=0)]
+            entries.append(e)
+        table = tmp_path / "decode_tuning.json"
+        table.write_text(json.dumps({"entries": entries}))
+        monkeypatch.setattr(G, "DECODE_TABLE_PATH", str(table))
+        G.decode_table.cache_clear()
+        tri.set_context_ranges(False)
+        tri.set_context_ranges(True)                 # the plans again, from this table
+        assert tri.context_range_bounds == list(bounds)
+
+    yield install
+    G.decode_table.cache_clear()
+
+
+def _qkv_key(tri):
+    return next(k for k in tri._fplans if k[1:] == ("rms", "plain") and k[0][0] != tri.cfg.vocab_size)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_context_ranges_pick_plans_by_position(ckpt, range_table):
+    """With plans for short contexts in the table, each decode step runs the plans of its
+    position's range (the q|k|v GEMV's launches, recorded), and the tokens and logits are still
+    the reference's across both bounds."""
+    if "odd" in str(ckpt):
+        pytest.skip("one checkpoint is enough here (the interpreter is slow)")
+    cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
+    range_table(tri)
+    base = tri._fplans[_qkv_key(tri)]
+    used: dict[int, set] = {}
+
+    def spy(name, nbytes, fn, *a, **k):
+        if name == "gemv_attn_qkv_norm":
+            used.setdefault(tri.state.length, set()).add((k["persistent"], k["block_n"]))
+        return fn(*a, **k)
+
+    tri._launch = spy
+    try:
+        prompt = list(range(3, 3 + 21))
+        a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=14)
+        b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=14)
+    finally:
+        del tri._launch
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+    assert min(used) < 24 and max(used) >= 30
+    for pos, plans in used.items():
+        want = (1, 2) if pos < 24 else (0, 4) if pos < 30 else (base["persistent"], base["block_n"])
+        assert plans == {want}, pos
+
+
+@pytest.mark.gpu
+def test_gpu_context_ranges_graphs_equal_eager_and_no_recapture(ckpt, range_table):
+    """One captured step per context range, all captured at the first step: decoding across
+    both bounds replays them without capturing again, and gives the eager path's tokens (which
+    switches plans at the same positions)."""
+    cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True, max_context=256)
+    range_table(tri, bounds=(32, 48))
+    prompt = list(range(5, 30))
+    gen = Generator(tri, [])
+    with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)   # positions 25..64
+    graphs = list(tri._graphs)
+    assert len(graphs) == 3 and tri._graph is graphs[2]
+    more = gen.generate(prompt + with_graph.token_ids + [9], GREEDY, max_new_tokens=10)
+    assert more.token_ids and all(g is h for g, h in zip(tri._graphs, graphs))
+    gen.forget()
+    tri.reset()
+    tri.prefill(prompt)
+    assert tri.graph_for(40) is graphs[1] and tri.graph_for(0) is graphs[0]   # no capture either
+    tri.configure(graph=False)
+    gen.forget()
+    eager = gen.generate(prompt, GREEDY, max_new_tokens=40)
+    assert eager.token_ids == with_graph.token_ids

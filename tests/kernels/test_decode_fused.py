@@ -817,6 +817,53 @@ def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
         gemv_mod.decode_table.cache_clear()
 
 
+def test_context_range_plans_from_the_table(tmp_path, monkeypatch):
+    """An entry's context_ranges (plans for contexts shorter than `below` positions) are read in
+    ascending order; malformed ones, a repeated bound, a persistent plan with split-K, a split-K
+    plan with split-K off and a gated plan wider than its head are left out."""
+    from tritonchat.engine.triton_backend import context_ranges
+    ok = '"split_k": 1, "block_n": 8, "block_k": 1024, "num_warps": 8, "persistent": 2'
+    table = tmp_path / "decode_tuning.json"
+    table.write_text(
+        '{"entries": [{"key": "gemv:5120x1024:rms:plain", "split_k": 1, "block_n": 8,'
+        ' "block_k": 512, "num_warps": 4, "context_ranges": ['
+        '{"below": 1792, "split_k": 1, "block_n": 8, "block_k": 1024, "num_warps": 4, "persistent": 2},'
+        '{"below": 768, ' + ok + '},'
+        '{"below": 768, "split_k": 1, "block_n": 4, "block_k": 256, "num_warps": 4},'
+        '{"below": 4096, "split_k": 2, "block_n": 8, "block_k": 256, "num_warps": 4},'
+        '{"below": 5000, "split_k": 2, "block_n": 8, "block_k": 256, "num_warps": 4, "persistent": 1},'
+        '{"below": 6000, "split_k": 1, "block_n": 6, "block_k": 256, "num_warps": 4},'
+        '{"below": 0, ' + ok + '}, {"below": "x", ' + ok + '}, {"split_k": 1}, 7]},'
+        '{"key": "gemv:1024x2048:gated:residual", "split_k": 1, "block_n": 4, "block_k": 64,'
+        ' "num_warps": 4, "context_ranges": [{"below": 512, "split_k": 1, "block_n": 4,'
+        ' "block_k": 256, "num_warps": 4}]},'
+        '{"key": "gemv:3584x1024:rms:silu_mul", "split_k": 1, "block_n": 4, "block_k": 512,'
+        ' "num_warps": 4, "context_ranges": "all"}]}')
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    gemv_mod.decode_table.cache_clear()
+    try:
+        p8 = dict(split_k=1, block_n=8, block_k=1024, num_warps=8, persistent=2)
+        p4 = dict(p8, num_warps=4)
+        s2 = dict(split_k=2, block_n=8, block_k=256, num_warps=4, persistent=0)
+        assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain") == [
+            (768, p8), (1792, p4), (4096, s2)]
+        assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain", split_k_enabled=False) == [
+            (768, p8), (1792, p4)]
+        assert gemv_mod.fused_range_plans(1024, 2048, "gated", "residual", 128) == []
+        assert gemv_mod.fused_range_plans(3584, 1024, "rms", "silu_mul") == []
+        assert gemv_mod.fused_range_plans(1024, 3584, "none", "residual") == []    # no entry
+        # the engine's ranges: each range's plans are the base with the plan covering its start
+        base = {"qkv": "b0", "mlp": "m0", "other": "o0"}
+        r = context_ranges(base, {"qkv": [(768, "q1"), (1792, "q2")], "mlp": [(1024, "m1")]})
+        assert [(b, p["qkv"], p["mlp"], p["other"]) for b, p in r] == [
+            (768, "q1", "m1", "o0"), (1024, "q2", "m1", "o0"), (1792, "q2", "m0", "o0"),
+            (None, "b0", "m0", "o0")]
+        assert r[-1][1] is base
+        assert context_ranges(base, {}) == [(None, base)]
+    finally:
+        gemv_mod.decode_table.cache_clear()
+
+
 def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(tmp_path, monkeypatch):
     """The table's plan for a gated GEMV is the persistent form (whole K one tile); a caller
     asking for split-K gets the grid form's head-sized tiles, not the persistent block_k."""
