@@ -4,6 +4,9 @@ Everything is allocated once at load: the merged weights, the static KV cache, t
 recurrent states, every activation buffer, split-K partials and sampler scratch. One decode step
 (`_decode_step`) allocates nothing and reads the token id and position from device tensors, so it
 is captured once into a CUDA graph and replayed until the context is full (engine/graph.py).
+Where the decode table gives a GEMV other plans for short contexts (`context_ranges`), there is
+one plan set and one graph per range of positions, all captured together, and each step runs
+the range of its position (the host knows it).
 
 Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_b|in_proj_a|in_proj_z -> one
 matrix (decode: the in_proj GEMV reads the first three, the GDN core's launch the z rows);
