@@ -106,16 +106,17 @@ def _load_mutable(backend, saved) -> None:
     backend.rng_state.copy_(saved["rng"])
 
 
-def capture_ranges(backend) -> list:
+def capture_ranges(backend, capture_one=None) -> list:
     """One captured decode step per context range of the backend (its plans differ by the
     position: TritonBackend._ranges), all at once, so that no graph is captured as the position
-    advances. The backend's current range is kept."""
+    advances: [capture_one(backend)] per range (default: capture). The current range is kept."""
+    capture_one = capture_one or capture
     keep = backend._range
     graphs = []
     try:
         for i in range(len(backend._ranges)):
             backend._use_range(i)
-            graphs.append(capture(backend))
+            graphs.append(capture_one(backend))
     finally:
         backend._use_range(keep)
     return graphs

@@ -627,22 +627,20 @@ class TritonBackend(Backend):
     def _capture_timed_graph(self) -> None:
         """The decode step with an event-record node between kernels (for the timing panel), one
         per context range, as the untimed ones."""
+        from .graph import capture_ranges
         t = self._timer
-        keep = self._range
-        graphs = []
+
+        def timed(backend):
+            t.events = []
+            return capture_graph(backend), list(t.events)   # the events recorded into it
+
         self._timer_active = t
         try:
-            for i in range(len(self._ranges)):
-                self._use_range(i)
-                events: list = []
-                t.events = events
-                graphs.append((capture_graph(self), list(events)))
-            self._timed_graphs = graphs
+            self._timed_graphs = capture_ranges(self, timed)
         except Exception:
             self._timed_graph_failed = True
         finally:
             self._timer_active = None
-            self._use_range(keep)
 
     def _timed_decode(self) -> None:
         """One decode step whose kernels are timed: replayed from a graph with an event-record node

@@ -872,6 +872,13 @@ def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
     return f"gemv:{n_out}x{k}:{prologue}:{epilogue}"
 
 
+def _fits(p: dict, k: int, prologue: str, head_dim: int) -> bool:
+    """A gated-prologue plan's tiles stay within one head, unless it is the persistent form
+    where that form can take the shape; other prologues take any table plan."""
+    return prologue != "gated" or p["block_k"] <= next_pow2(head_dim) or bool(
+        p["persistent"] and gated_persistent_ok(k, head_dim))
+
+
 def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
                head_dim: int = 0, split_k_enabled: bool = True) -> dict:
     """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan.
@@ -886,8 +893,7 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
                 p = dict(split_k=1, block_n=int(e["direct_block_n"]), block_k=int(e["direct_block_k"]),
                          num_warps=int(e["direct_num_warps"]),
                          persistent=int(e.get("direct_persistent", 0)))
-            if prologue != "gated" or p["block_k"] <= next_pow2(head_dim) or (
-                    p["persistent"] and gated_persistent_ok(k, head_dim)):
+            if _fits(p, k, prologue, head_dim):
                 return p
         except (KeyError, TypeError, ValueError):
             pass
@@ -921,10 +927,7 @@ def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str 
         pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (p["block_n"], p["block_k"], p["num_warps"]))
         if (below <= 0 or below in out or not pow2 or p["split_k"] < 1
                 or p["persistent"] not in (0, 1, 2) or (p["persistent"] and p["split_k"] != 1)
-                or (not split_k_enabled and p["split_k"] > 1)):
-            continue
-        if prologue == "gated" and not (p["block_k"] <= next_pow2(head_dim) or (
-                p["persistent"] and gated_persistent_ok(k, head_dim))):
+                or (not split_k_enabled and p["split_k"] > 1) or not _fits(p, k, prologue, head_dim)):
             continue
         out[below] = p
     return sorted(out.items())
