@@ -4,9 +4,10 @@ Everything is allocated once at load: the merged weights, the static KV cache, t
 recurrent states, every activation buffer, split-K partials and sampler scratch. One decode step
 (`_decode_step`) allocates nothing and reads the token id and position from device tensors, so it
 is captured once into a CUDA graph and replayed until the context is full (engine/graph.py).
-Where the decode table gives a GEMV other plans for short contexts (`context_ranges`), there is
-one plan set and one graph per range of positions, all captured together, and each step runs
-the range of its position (the host knows it).
+Where the decode table gives a GEMV or the attention other plans for a range of positions
+(`context_ranges`: short contexts for the q|k|v GEMV, long ones for the attention's split-KV
+launch), there is one plan set and one graph per range of positions, all captured together, and
+each step runs the range of its position (the host knows it).
 
 Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_b|in_proj_a|in_proj_z -> one
 matrix (decode: the in_proj GEMV reads the first three, the GDN core's launch the z rows);
@@ -98,20 +99,24 @@ class _Timer:
 
 
 def context_ranges(base: dict, range_plans: dict) -> list[tuple[Optional[int], dict]]:
-    """[(below, plans)] for positions [previous below or 0, below), the last (None, base) for
-    every position past them: each range's plans are `base` with, for each key of range_plans
-    ({key: [(below, plan)] ascending}), the plan of the first of its ranges that reaches past
-    the range's start."""
-    bounds = sorted({b for rps in range_plans.values() for b, _ in rps})
+    """[(below, plans)] for positions [previous below or 0, below), the last (None, plans) for
+    every position past them. range_plans is {key: [(from, below, plan)]} (below None: to the
+    end); each range's plans are `base` with, for each key, the plan of its first range that
+    holds the range's start (base.get(key) where none does). A last range that no key's range
+    reaches is `base` itself."""
+    bounds = sorted({b for rps in range_plans.values() for lo, hi, _ in rps
+                     for b in (lo, hi) if b})
     out: list[tuple[Optional[int], dict]] = []
-    lo = 0
-    for b in bounds:
+    for i, lo in enumerate([0] + bounds):
+        below = bounds[i] if i < len(bounds) else None
+        picked = {key: next((p for a, b, p in rps if a <= lo and (b is None or lo < b)), None)
+                  for key, rps in range_plans.items()}
+        if below is None and all(p is None for p in picked.values()):
+            out.append((None, base))
+            break
         plans = dict(base)
-        for key, rps in range_plans.items():
-            plans[key] = next((p for below, p in rps if lo < below), base[key])
-        out.append((b, plans))
-        lo = b
-    out.append((None, base))
+        plans.update({key: p if p is not None else base.get(key) for key, p in picked.items()})
+        out.append((below, plans))
     return out
 
 
@@ -250,9 +255,8 @@ class TritonBackend(Backend):
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms,
                                               block_n=ad.tile_positions(H, KV, hd))
-        self.attn_partials = z(ad.partials_numel(H, hd, self.attn_splits), dtype=torch.float32)
-        # zero; every launch leaves them zero
-        self.attn_counters = z(ad.counters_numel(KV, self.attn_splits), dtype=torch.int32)
+        self._sms = sms
+        self.attn_partials, self.attn_counters = self._attention_scratch(self.attn_splits, ad.DEFAULT_MERGE)
         from tritonchat.kernels import sampling as S
         self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
         self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)
@@ -260,6 +264,33 @@ class TritonBackend(Backend):
         self.top_k_max = TOP_K_MAX if dev.type == "cuda" else TOP_K_MAX_INTERPRETER
         self.sample_scratch = torch.zeros(S.sample_scratch_numel(cfg.vocab_size, self.top_k_max), device=dev,
                                           dtype=torch.int64)
+
+    def _attention_scratch(self, num_splits: int, merge_splits: int):
+        """Zeroed (partials, ticket counters) for an attention launch of this many splits and
+        merge groups of merge_splits (every launch leaves the counters zero)."""
+        from tritonchat.kernels import attention_decode as ad
+        H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        return (torch.zeros(ad.partials_numel(H, hd, num_splits, merge_splits), device=self.device,
+                            dtype=torch.float32),
+                torch.zeros(ad.counters_numel(KV, num_splits, merge_splits), device=self.device,
+                            dtype=torch.int32))
+
+    def _attention_range_plans(self) -> list:
+        """The table's attention launch plans for ranges of positions (attention_range_plans),
+        resolved for this context and GPU, each with scratch of its own (the base launch's
+        stays as it is): [(from, below, launch keywords)]."""
+        from tritonchat.kernels import attention_decode as ad
+        H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        out = []
+        for lo, hi, p in ad.attention_range_plans(H, KV, hd):
+            splits = ad.plan_num_splits(self.options.max_context, KV,
+                                        sm_count=self._sms * p["splits_per_sm"], block_n=p["block_n"])
+            partials, counters = self._attention_scratch(splits, p["merge_splits"])
+            out.append((lo, hi, dict(num_splits=splits, block_n=p["block_n"],
+                                     merge_splits=p["merge_splits"], num_warps=p["num_warps"],
+                                     num_stages=p["num_stages"], partials=partials,
+                                     counters=counters)))
+        return out
 
     def _set_split_k(self, enabled: bool) -> None:
         """Launch plans of every decode GEMV (block sizes and split-K from the tuned tables);
@@ -283,7 +314,9 @@ class TritonBackend(Backend):
             rps = (G.fused_range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
                                        split_k_enabled=enabled) if self._context_ranges else [])
             if rps:
-                range_plans[key] = rps
+                # each plan from the previous range's bound (or 0) to its own
+                range_plans[key] = [(lo, below, rp) for lo, (below, rp)
+                                    in zip([0] + [b for b, _ in rps], rps)]
             for q in [p] + [rp for _, rp in rps]:
                 np_, nc = G.fused_scratch_numel(n_out, q, epilogue == "silu_mul")
                 need_p, need_c = max(need_p, np_), max(need_c, nc)
@@ -315,13 +348,17 @@ class TritonBackend(Backend):
         self._lm_plan = lm
         self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
                                             device=self.device, dtype=torch.int64)
+        a_ranges = self._attention_range_plans() if self._context_ranges else []
+        if a_ranges:
+            # the attention launch's plan in a range (absent from the base: the table's default)
+            range_plans["attention"] = a_ranges
         self._ranges = context_ranges(self._fplans, range_plans)
         self._use_range(len(self._ranges) - 1)
         self._invalidate_graph()
 
     # ------------------------------------------------------------------ context ranges ----
-    # Some plans are faster only at short contexts (decode_tuning.json, `context_ranges` of an
-    # entry). The host knows each step's position, so the engine keeps one set of plans, and
+    # Some plans are faster only at short or long contexts (decode_tuning.json, `context_ranges`
+    # of an entry). The host knows each step's position, so the engine keeps one set of plans, and
     # one captured decode step, per range of positions, and picks by the position: the graphs
     # are all captured together, so none is captured as the position advances.
     def set_context_ranges(self, enabled: bool) -> None:
@@ -386,7 +423,8 @@ class TritonBackend(Backend):
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
         GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
-        from tritonchat.kernels.attention_decode import attention_decode, deferred_merge
+        from tritonchat.kernels.attention_decode import (attention_decode, deferred_merge,
+                                                         groups_deferrable)
         from tritonchat.kernels.gdn_decode import gdn_decode_core
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
@@ -417,17 +455,26 @@ class TritonBackend(Backend):
                 kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
                 o_plan = self._plans_now[(tuple(m.o_proj.shape), "none", "residual")]
                 defer = self._attn_defer if o_plan.get("persistent", 0) else 0
-                groups = bool(defer) and self._attn_defer_groups
+                a_plan = self._plans_now.get("attention")
+                if a_plan is None:        # the table's plan (its sizes default in attention_decode)
+                    a_kw = dict(num_splits=self.attn_splits)
+                    partials, counters = self.attn_partials, self.attn_counters
+                    groups = bool(defer) and self._attn_defer_groups
+                else:                     # a context range's, with its own scratch
+                    a_kw = {k: v for k, v in a_plan.items() if k not in ("partials", "counters")}
+                    partials, counters = a_plan["partials"], a_plan["counters"]
+                    groups = groups_deferrable(a_plan["num_splits"], defer, a_plan["merge_splits"])
+                a_kw["defer_groups"] = groups
                 self._launch("attention_decode", kv_bytes, attention_decode,
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
-                             m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, self.attn_partials,
-                             self.attn_counters,
+                             m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, partials, counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=eps, num_splits=self.attn_splits,
-                             defer_splits=defer, defer_groups=groups)
-                merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, self.attn_partials, num_heads=H,
-                                        num_kv_heads=KV, head_dim=hd, num_splits=self.attn_splits,
-                                        defer_splits=defer, defer_groups=groups) if defer else None)
+                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, **a_kw)
+                m_kw = {k: a_kw[k] for k in ("num_splits", "block_n", "merge_splits", "defer_groups")
+                        if k in a_kw}
+                merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, partials, num_heads=H,
+                                        num_kv_heads=KV, head_dim=hd, defer_splits=defer, **m_kw)
+                         if defer else None)
                 self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",
                            residual=self.h, merge=merge)
             self._gemv("gemv_mlp_gate_up_norm_silu", self.h, L.gate_up, self.act, "rms", "silu_mul",

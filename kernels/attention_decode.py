@@ -37,7 +37,7 @@ partials: no second ticket, no final merger.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -482,6 +482,38 @@ def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
         if v > 0:
             plan[k] = v
     return plan
+
+
+def attention_range_plans(num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> list[tuple[int, Optional[int], dict]]:
+    """[(from, below, plan)] ascending by `from`: launch plans the step measured faster than the
+    entry's own over a range of positions (decode_tuning.json, the attention entry's
+    `context_ranges`; `below` None: to the end of the context). A plan gives splits_per_sm (the
+    launch's splits a KV head are splits_per_sm x the SMs / the KV heads, as plan_num_splits
+    caps them), block_n, num_warps, num_stages and merge_splits. [] without such ranges; a
+    range that is malformed, empty, repeats a start, or has sizes that are not powers of two
+    (merge groups of 2 to MAX_DEFER splits, 1 to 4 splits an SM and pipeline stages) is left
+    out. (The engine captures one decode graph per range, engine/triton_backend.py.)"""
+    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    if e is None or not isinstance(e.get("context_ranges"), list):
+        return []
+    out: dict[int, tuple[Optional[int], dict]] = {}
+    for r in e["context_ranges"]:
+        try:
+            lo = int(r.get("from", 0))
+            hi = None if r.get("below") is None else int(r["below"])
+            p = {k: int(r[k]) for k in ("splits_per_sm", "block_n", "num_warps", "num_stages",
+                                        "merge_splits")}
+        except (AttributeError, KeyError, TypeError, ValueError):
+            continue
+        pow2 = all(v >= 1 and v & (v - 1) == 0
+                   for v in (p["block_n"], p["num_warps"], p["merge_splits"]))
+        if (lo < 0 or (hi is not None and hi <= lo) or lo in out or not pow2
+                or not 16 <= p["block_n"] <= 128 or not 2 <= p["merge_splits"] <= MAX_DEFER
+                or not 1 <= p["splits_per_sm"] <= 4 or not 1 <= p["num_stages"] <= 4):
+            continue
+        out[lo] = (hi, p)
+    return [(lo, hi, p) for lo, (hi, p) in sorted(out.items())]
 
 
 MAX_DEFER = 16         # partials a consumer merges at once (in registers: ~8 per split a thread)

@@ -355,28 +355,35 @@ def range_table(tmp_path, monkeypatch):
     """Put per-context-range plans for the q|k|v and gate|up GEMVs of a backend into a decode
     table of its own (the packaged table has none for the tiny shapes): below 24 positions the
     persistent form with 2-row blocks, below 30 the grid form with 4-row blocks and 32-wide
-    tiles, past 30 the base plans. Returns a function of the backend (and bounds)."""
+    tiles, past 30 the base plans (bounds=(): none). With `attention` (a launch plan with its
+    "from"), the attention's entry gets that range too, and up to 2 active splits (or merge
+    groups) its merge is the o_proj's. Returns a function of the backend (and bounds)."""
     import json
 
     from tritonchat.kernels import gemv as G
 
-    def install(tri, bounds=(24, 30)):
+    def install(tri, bounds=(24, 30), attention=None):
         entries = []
         for (shape, pro, epi), plan in tri._fplans.items():
             n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
             e = dict(plan, key=G.fused_key(n_out, shape[1], pro, epi))
-            if pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
+            if bounds and pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
                 e["context_ranges"] = [
                     dict(below=bounds[0], split_k=1, block_n=2, block_k=16, num_warps=4, persistent=1),
                     dict(below=bounds[1], split_k=1, block_n=4, block_k=32, num_warps=4, persistent=0)]
             entries.append(e)
+        if attention is not None:
+            c = tri.cfg
+            entries.append(dict(key=f"attention:{c.num_attention_heads}x{c.num_key_value_heads}x{c.head_dim}",
+                                defer_splits=2, defer_groups=1, context_ranges=[attention]))
         table = tmp_path / "decode_tuning.json"
         table.write_text(json.dumps({"entries": entries}))
         monkeypatch.setattr(G, "DECODE_TABLE_PATH", str(table))
         G.decode_table.cache_clear()
         tri.set_context_ranges(False)
         tri.set_context_ranges(True)                 # the plans again, from this table
-        assert tri.context_range_bounds == list(bounds)
+        want = sorted(set(bounds) | ({attention["from"]} if attention else set()))
+        assert tri.context_range_bounds == want
 
     yield install
     G.decode_table.cache_clear()
@@ -416,6 +423,67 @@ def test_interpreter_context_ranges_pick_plans_by_position(ckpt, range_table):
     for pos, plans in used.items():
         want = (1, 2) if pos < 24 else (0, 4) if pos < 30 else (base["persistent"], base["block_n"])
         assert plans == {want}, pos
+
+
+# a long-context attention plan for the tiny shapes: 1 split an SM (the interpreter's 8 "SMs":
+# 4 a KV head), 16-position tiles, merge groups of 2
+LONG_ATTENTION = {"from": 30, "splits_per_sm": 1, "block_n": 16, "num_warps": 4, "num_stages": 1,
+                  "merge_splits": 2}
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
+def test_interpreter_attention_context_range_equals_reference(ckpt, range_table):
+    """With a launch plan for the attention from position 30 on in the table, the steps from 30
+    launch it (4 splits of 16-position tiles, merge groups of 2, the groups' partials merged in
+    the o_proj past 2 active splits) and the earlier ones the base plan (2 splits), and the
+    tokens and logits are still the reference's across the bound."""
+    if "grouped" not in str(ckpt):
+        pytest.skip("the merge needs head counts and sizes that are powers of two")
+    cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
+    for L in tri.layers:                 # the o_proj's persistent form (the H200 table's): it
+        if hasattr(L.mixer, "o_proj"):   # takes the deferred merge
+            key = (tuple(L.mixer.o_proj.shape), "none", "residual")
+            tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
+    range_table(tri, bounds=(), attention=LONG_ATTENTION)
+    assert tri._attn_defer == 2 and tri.attn_splits == 2
+    used: dict[int, set] = {}
+
+    def spy(name, nbytes, fn, *a, **k):
+        if name == "attention_decode":
+            used.setdefault(tri.state.length, set()).add(
+                (k["num_splits"], k.get("block_n"), k.get("merge_splits"), k["defer_groups"]))
+        return fn(*a, **k)
+
+    tri._launch = spy
+    try:
+        prompt = list(range(3, 3 + 21))
+        a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=16)
+        b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=16)
+    finally:
+        del tri._launch
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+    assert min(used) < 30 and max(used) >= 34          # up to 3 active splits of 16 positions
+    for pos, plans in used.items():
+        assert plans == ({(2, None, None, True)} if pos < 30 else {(4, 16, 2, True)}), pos
+
+
+@pytest.mark.gpu
+def test_gpu_attention_context_range_graphs_equal_eager(ckpt, range_table):
+    """The attention's long-context range as a graph of its own next to the GEMVs' ranges:
+    four graphs captured once, and the eager path's tokens across the three bounds."""
+    cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True, max_context=256)
+    range_table(tri, bounds=(32, 48), attention=dict(LONG_ATTENTION, **{"from": 40, "merge_splits": 8}))
+    prompt = list(range(5, 30))
+    gen = Generator(tri, [])
+    with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)   # positions 25..64
+    graphs = list(tri._graphs)
+    assert len(graphs) == 4 and tri._graph is graphs[3]
+    assert tri._ranges[2][1].get("attention") is None and tri._ranges[3][1]["attention"]["block_n"] == 16
+    tri.configure(graph=False)
+    gen.forget()
+    eager = gen.generate(prompt, GREEDY, max_new_tokens=40)
+    assert eager.token_ids == with_graph.token_ids
 
 
 @pytest.mark.gpu

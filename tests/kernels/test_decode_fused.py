@@ -854,12 +854,65 @@ def test_context_range_plans_from_the_table(tmp_path, monkeypatch):
         assert gemv_mod.fused_range_plans(1024, 3584, "none", "residual") == []    # no entry
         # the engine's ranges: each range's plans are the base with the plan covering its start
         base = {"qkv": "b0", "mlp": "m0", "other": "o0"}
-        r = context_ranges(base, {"qkv": [(768, "q1"), (1792, "q2")], "mlp": [(1024, "m1")]})
+        r = context_ranges(base, {"qkv": [(0, 768, "q1"), (768, 1792, "q2")],
+                                  "mlp": [(0, 1024, "m1")]})
         assert [(b, p["qkv"], p["mlp"], p["other"]) for b, p in r] == [
             (768, "q1", "m1", "o0"), (1024, "q2", "m1", "o0"), (1792, "q2", "m0", "o0"),
             (None, "b0", "m0", "o0")]
         assert r[-1][1] is base
         assert context_ranges(base, {}) == [(None, base)]
+        # a plan from a position to the end (the attention's long contexts) and one for a
+        # middle range: the last range is no longer the base itself; a key absent from the base
+        # is None where no range of it applies
+        r = context_ranges(base, {"qkv": [(0, 768, "q1")], "attn": [(4096, None, "a2")],
+                                  "mlp": [(1024, 2048, "m1")]})
+        assert [(b, p["qkv"], p["mlp"], p["attn"]) for b, p in r] == [
+            (768, "q1", "m0", None), (1024, "b0", "m0", None), (2048, "b0", "m1", None),
+            (4096, "b0", "m0", None), (None, "b0", "m0", "a2")]
+        assert r[-1][1] is not base and r[-1][1]["other"] == "o0" and "attn" not in base
+    finally:
+        gemv_mod.decode_table.cache_clear()
+
+
+def test_attention_range_plans_from_the_table(tmp_path, monkeypatch):
+    """The attention entry's context_ranges (launch plans over ranges of positions, to the end
+    where `below` is absent) are read in ascending order of their start; malformed ones, a
+    repeated start, an empty range and sizes out of range or not powers of two are left out;
+    the entry's own plan is read as before."""
+    from tritonchat.kernels.attention_decode import attention_plan, attention_range_plans
+    ok = '"splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16'
+    bad = [  # each breaks one rule
+        '{"from": 100, "splits_per_sm": 2, "block_n": 48, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 200, "splits_per_sm": 2, "block_n": 8, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 300, "splits_per_sm": 5, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 400, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 0, "merge_splits": 16}',
+        '{"from": 500, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 32}',
+        '{"from": 600, "splits_per_sm": 2, "block_n": 32, "num_warps": 3, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 700, "below": 700, ' + ok + '}', '{"from": -1, ' + ok + '}',
+        '{"from": "x", ' + ok + '}', '{"from": 800, "block_n": 32}', '7']
+    table = tmp_path / "decode_tuning.json"
+    table.write_text(
+        '{"entries": [{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8, "num_stages": 1,'
+        ' "context_ranges": [{"from": 22528, ' + ok + '}, {"from": 1000, "below": 2000, '
+        '"splits_per_sm": 1, "block_n": 16, "num_warps": 2, "num_stages": 1, "merge_splits": 2},'
+        ' {"from": 22528, ' + ok.replace('"block_n": 32', '"block_n": 64') + '}, '
+        + ", ".join(bad) + ']},'
+        '{"key": "attention:4x2x64", "context_ranges": {"from": 1}}]}')
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    gemv_mod.decode_table.cache_clear()
+    try:
+        long = dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
+        short = dict(splits_per_sm=1, block_n=16, num_warps=2, num_stages=1, merge_splits=2)
+        assert attention_range_plans(8, 2, 256) == [(1000, 2000, short), (22528, None, long)]
+        assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+        assert attention_range_plans(4, 2, 64) == []          # not a list
+        assert attention_range_plans(4, 1, 64) == []          # no entry
+    finally:
+        gemv_mod.decode_table.cache_clear()
+    # the packaged table: the long-context plan measured on the H200
+    monkeypatch.undo()
+    try:
+        assert [(lo, hi) for lo, hi, _ in attention_range_plans(8, 2, 256)] == [(22528, None)]
     finally:
         gemv_mod.decode_table.cache_clear()
 
