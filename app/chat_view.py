@@ -56,7 +56,8 @@ def format_stats(stats: dict | None) -> str:
     if s.get("dtype"):
         flags.append(_DTYPES.get(s["dtype"], str(s["dtype"])))
     if s.get("backend") == "triton":
-        for key, name in (("split_k", "split-K"), ("graph", "graph"), ("l2_state", "L2 states")):
+        for key, name in (("split_k", "split-K"), ("graph", "graph"), ("l2_state", "L2 states"),
+                          ("context_ranges", "context ranges")):
             if key in s:
                 flags.append(f"{name} {'on' if s[key] else 'off'}")
     if flags:
@@ -74,10 +75,11 @@ def stats_tooltip(stats: dict | None) -> str:
             ("Thinking", "thinking_seconds", "{:,.1f} s"), ("Stop reason", "stop_reason", "{}"),
             ("Backend", "backend", "{}"), ("Device", "device", "{}"), ("Dtype", "dtype", "{}"),
             ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
-            ("GDN states in L2", "l2_state", "{}"),
+            ("GDN states in L2", "l2_state", "{}"), ("Context-range plans", "context_ranges", "{}"),
             ("Context", "max_context", "{:,} tokens")]
     # the switches act on the Triton backend only (the reference one reports its options unused)
-    switches = {"split_k", "graph", "l2_state"} if stats.get("backend") not in (None, "triton") else set()
+    switches = ({"split_k", "graph", "l2_state", "context_ranges"}
+                if stats.get("backend") not in (None, "triton") else set())
     lines = []
     for label, key, fmt in rows:
         if key in switches:

@@ -314,7 +314,8 @@ class MainWindow(QMainWindow):
         self.load_bar.show()
         self._engine_wanted = {"max_context": self.settings.context_length,
                                "split_k": self.settings.split_k, "graph": self.settings.graph,
-                               "l2_state": self.settings.l2_state}
+                               "l2_state": self.settings.l2_state,
+                               "context_ranges": self.settings.context_ranges}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -402,6 +403,8 @@ class MainWindow(QMainWindow):
                       f"CUDA Graph {'on' if o.get('graph') else 'off'}"]
             if "l2_state" in o:
                 parts.append(f"L2 states {'on' if o['l2_state'] else 'off'}")
+            if "context_ranges" in o:
+                parts.append(f"context ranges {'on' if o['context_ranges'] else 'off'}")
         name = Path(self.model_dir).name if self.model_dir else ""
         self.engine_label.setText(" \u00b7 ".join(p for p in [name] + parts if p))
 
@@ -737,7 +740,7 @@ class MainWindow(QMainWindow):
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
         wanted = {"split_k": new.split_k, "graph": new.graph, "l2_state": new.l2_state,
-                  "max_context": new.context_length}
+                  "context_ranges": new.context_ranges, "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
         if changes and self.loaded:
             self.engine.configure(**changes)

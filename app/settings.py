@@ -36,6 +36,7 @@ class ChatSettings:
     split_k: bool = True
     graph: bool = True
     l2_state: bool = True               # the GDN states in a persisting L2 window (Triton, CUDA)
+    context_ranges: bool = True         # kernel plans per range of positions (Triton)
     theme: str = "system"
 
     def sampling_params(self) -> SamplingParams:
@@ -84,6 +85,7 @@ def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -
         split_k=_get(qs, "engine/split_k", True, bool),
         graph=_get(qs, "engine/graph", True, bool),
         l2_state=_get(qs, "engine/l2_state", True, bool),
+        context_ranges=_get(qs, "engine/context_ranges", True, bool),
         theme=t if (t := _get(qs, "ui/theme", "system", str)) in ("system", "light", "dark") else "system",
     )
 
@@ -104,5 +106,6 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     qs.setValue("engine/split_k", bool(s.split_k))
     qs.setValue("engine/graph", bool(s.graph))
     qs.setValue("engine/l2_state", bool(s.l2_state))
+    qs.setValue("engine/context_ranges", bool(s.context_ranges))
     qs.setValue("ui/theme", s.theme)
     qs.sync()

@@ -107,6 +107,7 @@ class SettingsDialog(QDialog):
         self.split_k = QCheckBox("Split-K for the narrow projections")
         self.graph = QCheckBox("CUDA Graph for the decode step")
         self.l2_state = QCheckBox("Keep the linear-attention states in L2")
+        self.context_ranges = QCheckBox("Kernel plans tuned per context length")
         triton = bool(caps.get("triton", False))
         why = caps.get("reason") or "Needs the Triton backend on a CUDA GPU."
         for box, tip in ((self.split_k, "Split the reduction of the 1024-row projections over more "
@@ -116,7 +117,12 @@ class SettingsDialog(QDialog):
                          (self.l2_state, "Set ~20 MB of the GPU's L2 cache aside so the 18 Gated "
                                          "DeltaNet layers' recurrent states (18 MB, read and written "
                                          "every token) stay there instead of coming back from memory "
-                                         "(with the CUDA graph; ~1% faster on an H200)")):
+                                         "(with the CUDA graph; ~1% faster on an H200)"),
+                         (self.context_ranges, "Use the decode table's other launch plans where they "
+                                               "measured faster: a persistent q|k|v projection below "
+                                               "1,792 tokens, a wider split of the attention from "
+                                               "22,528 on (one CUDA graph per range; ~1% faster at "
+                                               "short and at long contexts on an H200)")):
             box.setEnabled(triton)
             box.setToolTip(tip if triton else why)
         self.engine_note = QLabel(why if not triton else (f"Triton backend on {caps.get('device_name')}"
@@ -127,6 +133,7 @@ class SettingsDialog(QDialog):
         f.addRow("", self.split_k)
         f.addRow("", self.graph)
         f.addRow("", self.l2_state)
+        f.addRow("", self.context_ranges)
         f.addRow("", self.engine_note)
         tabs.addTab(engine, "Engine")
 
@@ -162,6 +169,7 @@ class SettingsDialog(QDialog):
         self.split_k.setChecked(s.split_k)
         self.graph.setChecked(s.graph)
         self.l2_state.setChecked(s.l2_state)
+        self.context_ranges.setChecked(s.context_ranges)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
 
     def _load_sampling(self, p: SamplingParams) -> None:
@@ -202,5 +210,6 @@ class SettingsDialog(QDialog):
             split_k=self.split_k.isChecked(),
             graph=self.graph.isChecked(),
             l2_state=self.l2_state.isChecked(),
+            context_ranges=self.context_ranges.isChecked(),
             theme=self.theme.currentData() or "system",
         )

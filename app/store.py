@@ -371,7 +371,8 @@ def stats_line(stats: dict | None) -> str:
         items.append(str(flat["backend"]))
     # the switches act on the Triton backend only (the reference one reports its options unused)
     if flat.get("backend") in (None, "triton"):
-        for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states")):
+        for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states"),
+                          ("context_ranges", "context ranges")):
             if key in flat:
                 items.append(f"{name} {'on' if flat[key] else 'off'}")
     return " · ".join(items)

@@ -28,7 +28,8 @@ class SamplingParams:
 
 @dataclass
 class EngineOptions:
-    """How the engine is built. Switchable at run time: split_k, graph, timing, l2_state."""
+    """How the engine is built. Switchable at run time: split_k, graph, timing, l2_state,
+    context_ranges."""
 
     backend: str = "reference"      # "reference" | "triton"
     device: str = "cpu"             # "cpu" | "cuda"
@@ -38,6 +39,7 @@ class EngineOptions:
     graph: bool = True
     timing: bool = False            # per-kernel GPU timing (Triton backend only)
     l2_state: bool = True           # GDN states kept in a persisting L2 window (graph decode, CUDA)
+    context_ranges: bool = True     # the decode table's plans per range of positions (Triton)
 
     def to_dict(self) -> dict:
         return asdict(self)

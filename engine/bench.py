@@ -43,7 +43,8 @@ def _build(args, split_k: bool, graph: bool, context: int):
     from .loader import load_backend, random_backend
     device = args.device or "cuda"
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
-                         split_k=split_k, graph=graph, l2_state=args.l2_state == "on")
+                         split_k=split_k, graph=graph, l2_state=args.l2_state == "on",
+                         context_ranges=getattr(args, "context_ranges", "on") == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:
@@ -388,6 +389,16 @@ def run_bench(args) -> int:
         if be.name == "triton":
             pos = context - new_tokens - 64
             report["long_context"] = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
+            if any(b <= pos for b in be.context_range_bounds):
+                # the same with the table's base plans (the long contexts' range off)
+                be.set_context_ranges(False)
+                off = long_context_run(be, cfg, pos, min(new_tokens, 256), hbm)
+                be.set_context_ranges(True)
+                report["long_context_ranges_off"] = off
+                report["long_context_ranges_speedup"] = (report["long_context"]["decode_tok_s"]
+                                                         / off["decode_tok_s"])
+                print(f"position {pos}: context ranges on / off "
+                      f"{report['long_context_ranges_speedup']:.3f}x", file=sys.stderr)
             # the contexts a chat spends most of its time in, each against its own roofline
             report["context_sweep"] = [long_context_run(be, cfg, p, min(new_tokens, 128), hbm)
                                        for p in SWEEP_POSITIONS if p < pos]
@@ -446,7 +457,8 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("l2_state_switched", "context_ranges_switched", "sampled", "long_context", "context_sweep", "prefill", "transformers"):
+    for key in ("l2_state_switched", "context_ranges_switched", "sampled", "long_context",
+                "long_context_ranges_off", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
 

@@ -98,8 +98,10 @@ class ChatSession:
         return self.backend.memory_info()
 
     # ---- switches ----
-    def configure(self, *, split_k=None, graph=None, timing=None, l2_state=None) -> None:
-        self.backend.configure(split_k=split_k, graph=graph, timing=timing, l2_state=l2_state)
+    def configure(self, *, split_k=None, graph=None, timing=None, l2_state=None,
+                  context_ranges=None) -> None:
+        self.backend.configure(split_k=split_k, graph=graph, timing=timing, l2_state=l2_state,
+                               context_ranges=context_ranges)
         if timing and self._roofline is None and getattr(self.backend, "measure_roofline", None):
             self._roofline = self.backend.measure_roofline()
 

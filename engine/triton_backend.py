@@ -153,7 +153,7 @@ class TritonBackend(Backend):
         self._graphs: Optional[list] = None       # one captured decode step per context range
         self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
         self._timed_graph_failed = False
-        self._context_ranges = True               # the table's per-context-range plans in use
+        self._context_ranges = bool(options.context_ranges)   # the table's per-range plans in use
         self._set_split_k(options.split_k)
         self._timer: Optional[_Timer] = None
         self._timing_interval_s = 0.5
@@ -364,6 +364,7 @@ class TritonBackend(Backend):
     def set_context_ranges(self, enabled: bool) -> None:
         """Use the table's per-context-range plans (the default) or its base plans at every
         position (one graph; what engine/tune_step.py tunes)."""
+        self.options.context_ranges = bool(enabled)
         if bool(enabled) != self._context_ranges:
             self._context_ranges = bool(enabled)
             self._set_split_k(self.options.split_k)
@@ -855,9 +856,12 @@ class TritonBackend(Backend):
         self._timed_graph_failed = False
 
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
-                  timing: Optional[bool] = None, l2_state: Optional[bool] = None) -> None:
+                  timing: Optional[bool] = None, l2_state: Optional[bool] = None,
+                  context_ranges: Optional[bool] = None) -> None:
         if split_k is not None and bool(split_k) != self.options.split_k:
             self._set_split_k(bool(split_k))
+        if context_ranges is not None:
+            self.set_context_ranges(bool(context_ranges))
         if graph is not None and bool(graph) != self.options.graph:
             self.options.graph = bool(graph)
             self._invalidate_graph()

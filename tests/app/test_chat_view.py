@@ -227,9 +227,13 @@ def test_format_stats_line_and_tooltip():
     line = format_stats(dict(stats, l2_state=False))
     assert line.endswith("triton bf16 split-K on graph off L2 states off")
     assert "GDN states in L2: False" in stats_tooltip(dict(stats, l2_state=False))
-    ref = stats_tooltip(dict(stats, backend="reference", l2_state=True))
+    # the context-range plans, likewise
+    assert format_stats(dict(stats, l2_state=True, context_ranges=False)).endswith(
+        "L2 states on context ranges off")
+    assert "Context-range plans: False" in stats_tooltip(dict(stats, context_ranges=False))
+    ref = stats_tooltip(dict(stats, backend="reference", l2_state=True, context_ranges=True))
     assert "Backend: reference" in ref and "Split-K" not in ref and "CUDA Graph" not in ref
-    assert "GDN states in L2" not in ref
+    assert "GDN states in L2" not in ref and "Context-range" not in ref
 
 
 def test_interrupted_thinking_without_stats(view):

@@ -365,10 +365,13 @@ def test_stats_line_flat_and_empty():
             "split_k": False, "graph": True}
     assert stats_line(flat) == "TTFT 5 ms · 0 tokens · stop: stopped · split-K off · CUDA Graph on"
     assert stats_line(dict(flat, l2_state=True)).endswith("CUDA Graph on · L2 states on")
+    assert stats_line(dict(flat, l2_state=True, context_ranges=False)).endswith(
+        "L2 states on · context ranges off")
     # the reference backend runs none of the Triton switches: its export does not claim them
-    ref = dict(flat, backend="reference", l2_state=True)
+    ref = dict(flat, backend="reference", l2_state=True, context_ranges=True)
     assert stats_line(ref) == "TTFT 5 ms · 0 tokens · stop: stopped · reference"
-    assert stats_line(dict(ref, backend="triton")).endswith("triton · split-K off · CUDA Graph on · L2 states on")
+    assert stats_line(dict(ref, backend="triton")).endswith(
+        "triton · split-K off · CUDA Graph on · L2 states on · context ranges on")
 
 
 def test_default_path_under_user_data_dir(monkeypatch, tmp_path: Path):

@@ -431,6 +431,29 @@ LONG_ATTENTION = {"from": 30, "splits_per_sm": 1, "block_n": 16, "num_warps": 4,
                   "merge_splits": 2}
 
 
+def test_context_ranges_switch(ckpt, range_table):
+    """configure(context_ranges=...) (the app's setting, --context-ranges) drops the table's
+    ranges (one plan set: the base plans, the base attention launch and its scratch) and brings
+    them back; the option at construction does the same."""
+    if "grouped" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+    from tritonchat.engine.triton_backend import TritonBackend
+    device = "cuda" if CUDA else "cpu"
+    cfg, _, tri = _pair(ckpt, device=device, dtype="bfloat16" if CUDA else "float32", graph=False)
+    range_table(tri, attention=LONG_ATTENTION)
+    assert tri.context_range_bounds == [24, 30] and tri.options.context_ranges
+    long = tri._ranges[-1][1]["attention"]
+    assert long["partials"] is not tri.attn_partials
+    tri.configure(context_ranges=False)
+    assert tri.context_range_bounds == [] and not tri.options.context_ranges
+    assert tri._ranges == [(None, tri._fplans)] and "attention" not in tri._plans_now
+    tri.configure(context_ranges=True)
+    assert tri.context_range_bounds == [24, 30] and tri.options.context_ranges
+    opts = tri.options.__class__(**dict(tri.options.to_dict(), context_ranges=False))
+    off = TritonBackend(cfg, load_weights(ckpt, cfg, device=device, dtype=tri.dtype), opts)
+    assert off.context_range_bounds == [] and off.options.context_ranges is False
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_attention_context_range_equals_reference(ckpt, range_table):
     """With a launch plan for the attention from position 30 on in the table, the steps from 30
