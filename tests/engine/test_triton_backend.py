@@ -502,7 +502,10 @@ def test_gpu_attention_context_range_graphs_equal_eager(ckpt, range_table):
     with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)   # positions 25..64
     graphs = list(tri._graphs)
     assert len(graphs) == 4 and tri._graph is graphs[3]
-    assert tri._ranges[2][1].get("attention") is None and tri._ranges[3][1]["attention"]["block_n"] == 16
+    # ranges [0, 32) [32, 40) [40, 48) [48, ...): the attention's plan from 40 on
+    assert [r[1].get("attention") is None for r in tri._ranges] == [True, True, False, False]
+    assert tri._ranges[2][1]["attention"] is tri._ranges[3][1]["attention"]
+    assert tri._ranges[3][1]["attention"]["block_n"] == 16
     tri.configure(graph=False)
     gen.forget()
     eager = gen.generate(prompt, GREEDY, max_new_tokens=40)
