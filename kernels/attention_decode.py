@@ -491,9 +491,11 @@ def attention_range_plans(num_heads: int, num_kv_heads: int,
     `context_ranges`; `below` None: to the end of the context). A plan gives splits_per_sm (the
     launch's splits a KV head are splits_per_sm x the SMs / the KV heads, as plan_num_splits
     caps them), block_n, num_warps, num_stages and merge_splits. [] without such ranges; a
-    range that is malformed, empty, repeats a start, or has sizes that are not powers of two
-    (merge groups of 2 to MAX_DEFER splits, 1 to 4 splits an SM and pipeline stages) is left
-    out. (The engine captures one decode graph per range, engine/triton_backend.py.)"""
+    range that is malformed, empty or repeats a start is left out, and so is one whose sizes
+    are out of bounds: tiles of 16 to 128 positions, warps and merge groups powers of two,
+    merge groups of 2 to MAX_DEFER splits (a merger holds a group at once), 1 to 4 splits an SM
+    and 1 to 4 pipeline stages. (The engine captures one decode graph per range,
+    engine/triton_backend.py.)"""
     e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     if e is None or not isinstance(e.get("context_ranges"), list):
         return []

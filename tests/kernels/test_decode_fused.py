@@ -767,64 +767,73 @@ def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch, z_in_core):
 # the tuning table: launchers read it by key, fall back to heuristics without it
 # ------------------------------------------------------------------------------------------
 
-def test_decode_tuning_table_is_read_and_optional(tmp_path, monkeypatch):
+@pytest.fixture
+def own_table(tmp_path, monkeypatch):
+    """use(text): the decode table is a file of the test's own with this text (again for a new
+    text); the table's cache is cleared each time and after the test, so later tests read the
+    packaged table again."""
+    path = tmp_path / "decode_tuning.json"
+    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(path))
+
+    def use(text: str):
+        path.write_text(text)
+        gemv_mod.decode_table.cache_clear()
+        return path
+
+    yield use
+    gemv_mod.decode_table.cache_clear()
+
+
+def test_decode_tuning_table_is_read_and_optional(own_table):
     from tritonchat.kernels import gdn_decode as gdn_mod
     from tritonchat.kernels import sampling as samp_mod
-    table = tmp_path / "decode_tuning.json"
-    table.write_text('{"entries": ['
-                     '{"key": "gemv:1024x2048:gated:residual", "split_k": 4, "block_n": 4,'
-                     ' "block_k": 64, "num_warps": 8},'
-                     '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2,'
-                     ' "z_block_n": 16, "z_first": false},'
-                     '{"key": "gdn_core:8x64x64", "block_v": 16, "num_warps": 4,'
-                     ' "z_block_n": 12},'
-                     '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
-                     ' "num_warps": 8},'
-                     '{"key": "lm_head:1000x64:rms", "block_n": 8, "block_k": 64,'
-                     ' "num_warps": 4, "persistent": 2, "num_stages": 3, "evict": false},'
-                     '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
-                     ' "block_k": 1024, "num_warps": 4, "persistent": 2},'
-                     '{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8,'
-                     ' "num_stages": 1},'
-                     '{"key": "attention:4x1x64", "block_n": 48, "num_stages": "x"}]}')
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
-    gemv_mod.decode_table.cache_clear()
-    try:
-        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == dict(
-            split_k=4, block_n=4, block_k=64, num_warps=8, persistent=0)
-        # the in-step tuner's persistent form is read, and kept when split-K is switched off
-        want = dict(split_k=1, block_n=4, block_k=1024, num_warps=4, persistent=2)
-        assert gemv_mod.fused_plan(1024, 3584, "none", "residual") == want
-        assert gemv_mod.fused_plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
-        # an entry whose block_k exceeds the head would be invalid: the heuristic wins
-        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
-        assert gdn_mod._core_plan(16, 128, 128) == (32, 2, 16, False)
-        assert gdn_mod._core_plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
-        # an LM head entry without the persistent keys is the grid form
-        assert samp_mod.lm_head_plan(248320, 1024, True) == dict(
-            block_n=16, block_k=256, num_warps=8, persistent=0, num_stages=1, evict=True)
-        assert samp_mod.lm_head_plan(1000, 64, True) == dict(
-            block_n=8, block_k=64, num_warps=4, persistent=2, num_stages=3, evict=False)
-        from tritonchat.kernels.attention_decode import attention_plan
-        assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
-        assert attention_plan(4, 1, 64) == {}         # not a power of two, not a number
-        assert attention_plan(4, 2, 64) == {}         # no entry
-        table.write_text("{not json")
-        gemv_mod.decode_table.cache_clear()
-        assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == \
-            gemv_mod.fused_heuristic_plan(1024, 2048, "gated", 128)
-    finally:
-        gemv_mod.decode_table.cache_clear()
+    own_table('{"entries": ['
+              '{"key": "gemv:1024x2048:gated:residual", "split_k": 4, "block_n": 4,'
+              ' "block_k": 64, "num_warps": 8},'
+              '{"key": "gdn_core:16x128x128", "block_v": 32, "num_warps": 2,'
+              ' "z_block_n": 16, "z_first": false},'
+              '{"key": "gdn_core:8x64x64", "block_v": 16, "num_warps": 4,'
+              ' "z_block_n": 12},'
+              '{"key": "lm_head:248320x1024:rms", "block_n": 16, "block_k": 256,'
+              ' "num_warps": 8},'
+              '{"key": "lm_head:1000x64:rms", "block_n": 8, "block_k": 64,'
+              ' "num_warps": 4, "persistent": 2, "num_stages": 3, "evict": false},'
+              '{"key": "gemv:1024x3584:none:residual", "split_k": 1, "block_n": 4,'
+              ' "block_k": 1024, "num_warps": 4, "persistent": 2},'
+              '{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8,'
+              ' "num_stages": 1},'
+              '{"key": "attention:4x1x64", "block_n": 48, "num_stages": "x"}]}')
+    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == dict(
+        split_k=4, block_n=4, block_k=64, num_warps=8, persistent=0)
+    # the in-step tuner's persistent form is read, and kept when split-K is switched off
+    want = dict(split_k=1, block_n=4, block_k=1024, num_warps=4, persistent=2)
+    assert gemv_mod.fused_plan(1024, 3584, "none", "residual") == want
+    assert gemv_mod.fused_plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
+    # an entry whose block_k exceeds the head would be invalid: the heuristic wins
+    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
+    assert gdn_mod._core_plan(16, 128, 128) == (32, 2, 16, False)
+    assert gdn_mod._core_plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
+    # an LM head entry without the persistent keys is the grid form
+    assert samp_mod.lm_head_plan(248320, 1024, True) == dict(
+        block_n=16, block_k=256, num_warps=8, persistent=0, num_stages=1, evict=True)
+    assert samp_mod.lm_head_plan(1000, 64, True) == dict(
+        block_n=8, block_k=64, num_warps=4, persistent=2, num_stages=3, evict=False)
+    from tritonchat.kernels.attention_decode import attention_plan
+    assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+    assert attention_plan(4, 1, 64) == {}         # not a power of two, not a number
+    assert attention_plan(4, 2, 64) == {}         # no entry
+    own_table("{not json")
+    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == \
+        gemv_mod.fused_heuristic_plan(1024, 2048, "gated", 128)
 
 
-def test_context_range_plans_from_the_table(tmp_path, monkeypatch):
+def test_context_range_plans_from_the_table(own_table):
     """An entry's context_ranges (plans for contexts shorter than `below` positions) are read in
     ascending order; malformed ones, a repeated bound, a persistent plan with split-K, a split-K
     plan with split-K off and a gated plan wider than its head are left out."""
     from tritonchat.engine.triton_backend import context_ranges
     ok = '"split_k": 1, "block_n": 8, "block_k": 1024, "num_warps": 8, "persistent": 2'
-    table = tmp_path / "decode_tuning.json"
-    table.write_text(
+    own_table(
         '{"entries": [{"key": "gemv:5120x1024:rms:plain", "split_k": 1, "block_n": 8,'
         ' "block_k": 512, "num_warps": 4, "context_ranges": ['
         '{"below": 1792, "split_k": 1, "block_n": 8, "block_k": 1024, "num_warps": 4, "persistent": 2},'
@@ -839,42 +848,37 @@ def test_context_range_plans_from_the_table(tmp_path, monkeypatch):
         ' "block_k": 256, "num_warps": 4}]},'
         '{"key": "gemv:3584x1024:rms:silu_mul", "split_k": 1, "block_n": 4, "block_k": 512,'
         ' "num_warps": 4, "context_ranges": "all"}]}')
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
-    gemv_mod.decode_table.cache_clear()
-    try:
-        p8 = dict(split_k=1, block_n=8, block_k=1024, num_warps=8, persistent=2)
-        p4 = dict(p8, num_warps=4)
-        s2 = dict(split_k=2, block_n=8, block_k=256, num_warps=4, persistent=0)
-        assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain") == [
-            (768, p8), (1792, p4), (4096, s2)]
-        assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain", split_k_enabled=False) == [
-            (768, p8), (1792, p4)]
-        assert gemv_mod.fused_range_plans(1024, 2048, "gated", "residual", 128) == []
-        assert gemv_mod.fused_range_plans(3584, 1024, "rms", "silu_mul") == []
-        assert gemv_mod.fused_range_plans(1024, 3584, "none", "residual") == []    # no entry
-        # the engine's ranges: each range's plans are the base with the plan covering its start
-        base = {"qkv": "b0", "mlp": "m0", "other": "o0"}
-        r = context_ranges(base, {"qkv": [(0, 768, "q1"), (768, 1792, "q2")],
-                                  "mlp": [(0, 1024, "m1")]})
-        assert [(b, p["qkv"], p["mlp"], p["other"]) for b, p in r] == [
-            (768, "q1", "m1", "o0"), (1024, "q2", "m1", "o0"), (1792, "q2", "m0", "o0"),
-            (None, "b0", "m0", "o0")]
-        assert r[-1][1] is base
-        assert context_ranges(base, {}) == [(None, base)]
-        # a plan from a position to the end (the attention's long contexts) and one for a
-        # middle range: the last range is no longer the base itself; a key absent from the base
-        # is None where no range of it applies
-        r = context_ranges(base, {"qkv": [(0, 768, "q1")], "attn": [(4096, None, "a2")],
-                                  "mlp": [(1024, 2048, "m1")]})
-        assert [(b, p["qkv"], p["mlp"], p["attn"]) for b, p in r] == [
-            (768, "q1", "m0", None), (1024, "b0", "m0", None), (2048, "b0", "m1", None),
-            (4096, "b0", "m0", None), (None, "b0", "m0", "a2")]
-        assert r[-1][1] is not base and r[-1][1]["other"] == "o0" and "attn" not in base
-    finally:
-        gemv_mod.decode_table.cache_clear()
+    p8 = dict(split_k=1, block_n=8, block_k=1024, num_warps=8, persistent=2)
+    p4 = dict(p8, num_warps=4)
+    s2 = dict(split_k=2, block_n=8, block_k=256, num_warps=4, persistent=0)
+    assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain") == [
+        (768, p8), (1792, p4), (4096, s2)]
+    assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain", split_k_enabled=False) == [
+        (768, p8), (1792, p4)]
+    assert gemv_mod.fused_range_plans(1024, 2048, "gated", "residual", 128) == []
+    assert gemv_mod.fused_range_plans(3584, 1024, "rms", "silu_mul") == []
+    assert gemv_mod.fused_range_plans(1024, 3584, "none", "residual") == []    # no entry
+    # the engine's ranges: each range's plans are the base with the plan covering its start
+    base = {"qkv": "b0", "mlp": "m0", "other": "o0"}
+    r = context_ranges(base, {"qkv": [(0, 768, "q1"), (768, 1792, "q2")],
+                              "mlp": [(0, 1024, "m1")]})
+    assert [(b, p["qkv"], p["mlp"], p["other"]) for b, p in r] == [
+        (768, "q1", "m1", "o0"), (1024, "q2", "m1", "o0"), (1792, "q2", "m0", "o0"),
+        (None, "b0", "m0", "o0")]
+    assert r[-1][1] is base
+    assert context_ranges(base, {}) == [(None, base)]
+    # a plan from a position to the end (the attention's long contexts) and one for a
+    # middle range: the last range is no longer the base itself; a key absent from the base
+    # is None where no range of it applies
+    r = context_ranges(base, {"qkv": [(0, 768, "q1")], "attn": [(4096, None, "a2")],
+                              "mlp": [(1024, 2048, "m1")]})
+    assert [(b, p["qkv"], p["mlp"], p["attn"]) for b, p in r] == [
+        (768, "q1", "m0", None), (1024, "b0", "m0", None), (2048, "b0", "m1", None),
+        (4096, "b0", "m0", None), (None, "b0", "m0", "a2")]
+    assert r[-1][1] is not base and r[-1][1]["other"] == "o0" and "attn" not in base
 
 
-def test_attention_range_plans_from_the_table(tmp_path, monkeypatch):
+def test_attention_range_plans_from_the_table(own_table):
     """The attention entry's context_ranges (launch plans over ranges of positions, to the end
     where `below` is absent) are read in ascending order of their start; malformed ones, a
     repeated start, an empty range and sizes out of range or not powers of two are left out;
@@ -890,55 +894,46 @@ def test_attention_range_plans_from_the_table(tmp_path, monkeypatch):
         '{"from": 600, "splits_per_sm": 2, "block_n": 32, "num_warps": 3, "num_stages": 2, "merge_splits": 16}',
         '{"from": 700, "below": 700, ' + ok + '}', '{"from": -1, ' + ok + '}',
         '{"from": "x", ' + ok + '}', '{"from": 800, "block_n": 32}', '7']
-    table = tmp_path / "decode_tuning.json"
-    table.write_text(
+    own_table(
         '{"entries": [{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8, "num_stages": 1,'
         ' "context_ranges": [{"from": 22528, ' + ok + '}, {"from": 1000, "below": 2000, '
         '"splits_per_sm": 1, "block_n": 16, "num_warps": 2, "num_stages": 1, "merge_splits": 2},'
         ' {"from": 22528, ' + ok.replace('"block_n": 32', '"block_n": 64') + '}, '
         + ", ".join(bad) + ']},'
         '{"key": "attention:4x2x64", "context_ranges": {"from": 1}}]}')
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
+    long = dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
+    short = dict(splits_per_sm=1, block_n=16, num_warps=2, num_stages=1, merge_splits=2)
+    assert attention_range_plans(8, 2, 256) == [(1000, 2000, short), (22528, None, long)]
+    assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+    assert attention_range_plans(4, 2, 64) == []          # not a list
+    assert attention_range_plans(4, 1, 64) == []          # no entry
+
+
+def test_the_packaged_table_has_the_long_context_attention_range():
+    """The packaged table's attention plan for long contexts (measured on the H200) is read."""
+    from tritonchat.kernels.attention_decode import attention_range_plans
     gemv_mod.decode_table.cache_clear()
-    try:
-        long = dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
-        short = dict(splits_per_sm=1, block_n=16, num_warps=2, num_stages=1, merge_splits=2)
-        assert attention_range_plans(8, 2, 256) == [(1000, 2000, short), (22528, None, long)]
-        assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
-        assert attention_range_plans(4, 2, 64) == []          # not a list
-        assert attention_range_plans(4, 1, 64) == []          # no entry
-    finally:
-        gemv_mod.decode_table.cache_clear()
-    # the packaged table: the long-context plan measured on the H200
-    monkeypatch.undo()
-    try:
-        assert [(lo, hi) for lo, hi, _ in attention_range_plans(8, 2, 256)] == [(22528, None)]
-    finally:
-        gemv_mod.decode_table.cache_clear()
+    plans = attention_range_plans(8, 2, 256)
+    assert [(lo, hi) for lo, hi, _ in plans] == [(22528, None)]
+    assert plans[0][2] == dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
 
 
-def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(tmp_path, monkeypatch):
+def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(own_table):
     """The table's plan for a gated GEMV is the persistent form (whole K one tile); a caller
     asking for split-K gets the grid form's head-sized tiles, not the persistent block_k."""
-    table = tmp_path / "decode_tuning.json"
-    table.write_text('{"entries": [{"key": "gemv:24x64:gated:residual", "split_k": 1,'
-                     ' "block_n": 8, "block_k": 64, "num_warps": 4, "persistent": 1}]}')
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
-    gemv_mod.decode_table.cache_clear()
-    try:
-        g = torch.Generator().manual_seed(9)
-        o, z, W = _vec(64, g, 2.0), _vec(64, g, 2.0), _vec(24 * 64, g, 0.125).view(24, 64)
-        norm_w = (1 + 0.1 * torch.randn(16, generator=g)).to(DEVICE)
-        res = _vec(24, g)
-        want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=res)
-        for split_k in (None, 1, 2):
-            h = res.clone()
-            part, cnt = _scratch(24, 2, 8)
-            gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=h,
-                       split_k=split_k, partials=part, counters=cnt)
-            torch.testing.assert_close(h, want, **_tol(torch.float32))
-    finally:
-        gemv_mod.decode_table.cache_clear()
+    own_table('{"entries": [{"key": "gemv:24x64:gated:residual", "split_k": 1,'
+              ' "block_n": 8, "block_k": 64, "num_warps": 4, "persistent": 1}]}')
+    g = torch.Generator().manual_seed(9)
+    o, z, W = _vec(64, g, 2.0), _vec(64, g, 2.0), _vec(24 * 64, g, 0.125).view(24, 64)
+    norm_w = (1 + 0.1 * torch.randn(16, generator=g)).to(DEVICE)
+    res = _vec(24, g)
+    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=res)
+    for split_k in (None, 1, 2):
+        h = res.clone()
+        part, cnt = _scratch(24, 2, 8)
+        gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=h,
+                   split_k=split_k, partials=part, counters=cnt)
+        torch.testing.assert_close(h, want, **_tol(torch.float32))
 
 
 @pytest.mark.parametrize("n_out,k,pro,epi", [(8224, 1024, "rms", "conv"),
