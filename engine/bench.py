@@ -44,7 +44,7 @@ def _build(args, split_k: bool, graph: bool, context: int):
     device = args.device or "cuda"
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
                          split_k=split_k, graph=graph, l2_state=args.l2_state == "on",
-                         context_ranges=getattr(args, "context_ranges", "on") == "on")
+                         context_ranges=args.context_ranges == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:

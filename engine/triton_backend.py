@@ -285,11 +285,10 @@ class TritonBackend(Backend):
         for lo, hi, p in ad.attention_range_plans(H, KV, hd):
             splits = ad.plan_num_splits(self.options.max_context, KV,
                                         sm_count=self._sms * p["splits_per_sm"], block_n=p["block_n"])
-            partials, counters = self._attention_scratch(splits, p["merge_splits"])
             out.append((lo, hi, dict(num_splits=splits, block_n=p["block_n"],
                                      merge_splits=p["merge_splits"], num_warps=p["num_warps"],
-                                     num_stages=p["num_stages"], partials=partials,
-                                     counters=counters)))
+                                     num_stages=p["num_stages"],
+                                     scratch=self._attention_scratch(splits, p["merge_splits"]))))
         return out
 
     def _set_split_k(self, enabled: bool) -> None:
@@ -342,7 +341,8 @@ class TritonBackend(Backend):
         from tritonchat.kernels.attention_decode import attention_plan, groups_deferrable
         a_plan = attention_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self._attn_defer = a_plan.get("defer_splits", 0)
-        self._attn_defer_groups = bool(a_plan.get("defer_groups", 0)) and groups_deferrable(
+        self._attn_groups_wanted = bool(a_plan.get("defer_groups", 0))   # the table's, every range
+        self._attn_defer_groups = self._attn_groups_wanted and groups_deferrable(
             self.attn_splits, self._attn_defer)
         lm = S.lm_head_plan(cfg.vocab_size, cfg.hidden_size, True)
         self._lm_plan = lm
@@ -462,9 +462,10 @@ class TritonBackend(Backend):
                     partials, counters = self.attn_partials, self.attn_counters
                     groups = bool(defer) and self._attn_defer_groups
                 else:                     # a context range's, with its own scratch
-                    a_kw = {k: v for k, v in a_plan.items() if k not in ("partials", "counters")}
-                    partials, counters = a_plan["partials"], a_plan["counters"]
-                    groups = groups_deferrable(a_plan["num_splits"], defer, a_plan["merge_splits"])
+                    a_kw = dict(a_plan)
+                    partials, counters = a_kw.pop("scratch")
+                    groups = (bool(defer) and self._attn_groups_wanted
+                              and groups_deferrable(a_plan["num_splits"], defer, a_plan["merge_splits"]))
                 a_kw["defer_groups"] = groups
                 self._launch("attention_decode", kv_bytes, attention_decode,
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],

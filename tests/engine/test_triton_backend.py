@@ -362,7 +362,7 @@ def range_table(tmp_path, monkeypatch):
 
     from tritonchat.kernels import gemv as G
 
-    def install(tri, bounds=(24, 30), attention=None):
+    def install(tri, bounds=(24, 30), attention=None, defer_groups=1):
         entries = []
         for (shape, pro, epi), plan in tri._fplans.items():
             n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
@@ -375,7 +375,7 @@ def range_table(tmp_path, monkeypatch):
         if attention is not None:
             c = tri.cfg
             entries.append(dict(key=f"attention:{c.num_attention_heads}x{c.num_key_value_heads}x{c.head_dim}",
-                                defer_splits=2, defer_groups=1, context_ranges=[attention]))
+                                defer_splits=2, defer_groups=defer_groups, context_ranges=[attention]))
         table = tmp_path / "decode_tuning.json"
         table.write_text(json.dumps({"entries": entries}))
         monkeypatch.setattr(G, "DECODE_TABLE_PATH", str(table))
@@ -387,6 +387,29 @@ def range_table(tmp_path, monkeypatch):
 
     yield install
     G.decode_table.cache_clear()
+
+
+def _plans_by_position(ref, tri, launch: str, plan_of, new_tokens: int) -> dict[int, set]:
+    """Generate greedily from one prompt with the reference and the Triton backend (eager),
+    check the tokens and the last logits agree, and return {position: {plan_of(launch keywords)}}
+    of the Triton backend's `launch` calls."""
+    used: dict[int, set] = {}
+
+    def spy(name, nbytes, fn, *a, **k):
+        if name == launch:
+            used.setdefault(tri.state.length, set()).add(plan_of(k))
+        return fn(*a, **k)
+
+    tri._launch = spy
+    try:
+        prompt = list(range(3, 3 + 21))
+        a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=new_tokens)
+        b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=new_tokens)
+    finally:
+        del tri._launch
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+    return used
 
 
 def _qkv_key(tri):
@@ -403,22 +426,7 @@ def test_interpreter_context_ranges_pick_plans_by_position(ckpt, range_table):
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
     range_table(tri)
     base = tri._fplans[_qkv_key(tri)]
-    used: dict[int, set] = {}
-
-    def spy(name, nbytes, fn, *a, **k):
-        if name == "gemv_attn_qkv_norm":
-            used.setdefault(tri.state.length, set()).add((k["persistent"], k["block_n"]))
-        return fn(*a, **k)
-
-    tri._launch = spy
-    try:
-        prompt = list(range(3, 3 + 21))
-        a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=14)
-        b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=14)
-    finally:
-        del tri._launch
-    assert a.token_ids == b.token_ids
-    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+    used = _plans_by_position(ref, tri, "gemv_attn_qkv_norm", lambda k: (k["persistent"], k["block_n"]), 14)
     assert min(used) < 24 and max(used) >= 30
     for pos, plans in used.items():
         want = (1, 2) if pos < 24 else (0, 4) if pos < 30 else (base["persistent"], base["block_n"])
@@ -443,7 +451,7 @@ def test_context_ranges_switch(ckpt, range_table):
     range_table(tri, attention=LONG_ATTENTION)
     assert tri.context_range_bounds == [24, 30] and tri.options.context_ranges
     long = tri._ranges[-1][1]["attention"]
-    assert long["partials"] is not tri.attn_partials
+    assert long["scratch"][0] is not tri.attn_partials and "scratch" not in tri._ranges[0][1]
     tri.configure(context_ranges=False)
     assert tri.context_range_bounds == [] and not tri.options.context_ranges
     assert tri._ranges == [(None, tri._fplans)] and "attention" not in tri._plans_now
@@ -469,26 +477,18 @@ def test_interpreter_attention_context_range_equals_reference(ckpt, range_table)
             tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
     range_table(tri, bounds=(), attention=LONG_ATTENTION)
     assert tri._attn_defer == 2 and tri.attn_splits == 2
-    used: dict[int, set] = {}
-
-    def spy(name, nbytes, fn, *a, **k):
-        if name == "attention_decode":
-            used.setdefault(tri.state.length, set()).add(
-                (k["num_splits"], k.get("block_n"), k.get("merge_splits"), k["defer_groups"]))
-        return fn(*a, **k)
-
-    tri._launch = spy
-    try:
-        prompt = list(range(3, 3 + 21))
-        a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=16)
-        b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=16)
-    finally:
-        del tri._launch
-    assert a.token_ids == b.token_ids
-    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
+    used = _plans_by_position(
+        ref, tri, "attention_decode",
+        lambda k: (k["num_splits"], k.get("block_n"), k.get("merge_splits"), k["defer_groups"]), 16)
     assert min(used) < 30 and max(used) >= 34          # up to 3 active splits of 16 positions
     for pos, plans in used.items():
         assert plans == ({(2, None, None, True)} if pos < 30 else {(4, 16, 2, True)}), pos
+    # a table without defer_groups: no range defers its groups either (the attention merges
+    # them in two levels of tickets), and the tokens are still the reference's
+    range_table(tri, bounds=(), attention=LONG_ATTENTION, defer_groups=0)
+    assert not tri._attn_defer_groups
+    used = _plans_by_position(ref, tri, "attention_decode", lambda k: (k["num_splits"], k["defer_groups"]), 16)
+    assert {p for plans in used.values() for p in plans} == {(2, False), (4, False)}
 
 
 @pytest.mark.gpu
