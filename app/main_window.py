@@ -744,6 +744,8 @@ class MainWindow(QMainWindow):
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
         if changes and self.loaded:
             self.engine.configure(**changes)
+            if self.timing.isVisible():
+                self.engine.read_timings()      # after the change (the worker runs them in order)
         self._engine_wanted.update(wanted)
         if new.theme != self.colors.name and not (new.theme == "system" and theme.resolve("system") is self.colors):
             self.set_theme(new.theme)

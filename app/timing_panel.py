@@ -56,6 +56,28 @@ def kernel_sum_text(kernels: list[dict], tok_s: float | None) -> str:
     return text
 
 
+def plan_range_text(info: dict | None) -> str:
+    """The line that says which context range's kernel plans the decode step runs (the Triton
+    backend keeps one set of plans, and one CUDA graph, per range of positions); empty while
+    one set serves every position."""
+    if not info or int(info.get("count") or 0) < 2:
+        return ""
+    start, below = int(info.get("start") or 0), info.get("below")
+    where = (f"positions {start:,}\u2013{int(below) - 1:,}" if below is not None
+             else f"positions from {start:,} on")
+    text = (f"Kernel plans for context {where} (set {int(info.get('index', 0)) + 1} of "
+            f"{int(info['count'])})")
+    tuned = [str(n) for n in info.get("tuned") or []]
+    return text + (f": {', '.join(tuned)} tuned for this range." if tuned
+                   else ": the base plans.")
+
+
+PLAN_RANGE_TIP = ("The decode step keeps one set of kernel launch plans, and one captured CUDA "
+                  "graph, per range of context positions, and runs the set of the current "
+                  "position (Settings, Engine: \u201cKernel plans tuned per context length\u201d; "
+                  "off, one set serves every position).")
+
+
 def format_bytes(n) -> str:
     """1.81 GiB, 12.5 MiB, 640 KiB: a small model's memory does not read as 0.00 GiB."""
     n = float(n or 0)
@@ -154,6 +176,12 @@ class TimingPanel(QDockWidget):
         self.kernel_sum.setWordWrap(True)
         self.kernel_sum.hide()
 
+        self.plan_range = QLabel(body)          # which context range's plans are running
+        self.plan_range.setObjectName("MutedLabel")
+        self.plan_range.setWordWrap(True)
+        self.plan_range.setToolTip(PLAN_RANGE_TIP)
+        self.plan_range.hide()
+
         self.memory = QLabel(body)
         self.memory.setObjectName("MutedLabel")
 
@@ -166,6 +194,7 @@ class TimingPanel(QDockWidget):
         layout.addWidget(self.note)
         layout.addWidget(split, 1)
         layout.addWidget(self.kernel_sum)
+        layout.addWidget(self.plan_range)
         layout.addWidget(self.memory)
         self.setWidget(body)
 
@@ -188,6 +217,9 @@ class TimingPanel(QDockWidget):
             self.note.show()
         self.table.setVisible(self.triton)
         self.bars.setVisible(self.triton)
+        if not self.triton:
+            self.plan_range.setText("")
+            self.plan_range.hide()
         self._update_kernel_sum()
 
     def set_colors(self, colors: Colors) -> None:
@@ -241,7 +273,10 @@ class TimingPanel(QDockWidget):
             self.set_kernels(stats["kernels"])
 
     def set_timings(self, info: dict) -> None:
-        """What read_timings() sent: kernels, roofline, memory."""
+        """What read_timings() sent: kernels, roofline, memory, the context range's plans."""
+        text = plan_range_text(info.get("plan_range")) if self.triton else ""
+        self.plan_range.setText(text)
+        self.plan_range.setVisible(bool(text))
         if info.get("roofline"):
             self.roofline = dict(info["roofline"])
         if info.get("kernels"):

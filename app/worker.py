@@ -215,6 +215,7 @@ class EngineWorker(QObject):
             self.timings.emit({"kernels": self.session.kernel_timings(),
                                "roofline": self.session.roofline(),
                                "memory": dict(self.session.memory_info()),
+                               "plan_range": self.session.plan_range(),
                                "timing": bool(self.session.options.timing)})
         except Exception as exc:
             self.configureFailed.emit(*describe(exc))

@@ -100,6 +100,12 @@ class Backend(ABC):
         Rows: {name, launches_per_token, us_per_token, share, gb_s}."""
         return None
 
+    def plan_range(self) -> Optional[dict]:
+        """The context range whose kernel plans the next decode step runs, where the backend
+        keeps plans per range of positions (the Triton backend: {index, count, start, below,
+        tuned}); None otherwise."""
+        return None
+
     def memory_info(self) -> dict:
         """{'allocated_bytes':..., 'reserved_bytes':..., 'total_bytes':...} on GPU; {} on CPU."""
         device = getattr(self, "device", None)

@@ -91,6 +91,9 @@ class ChatSession:
     def kernel_timings(self) -> Optional[list[dict]]:
         return self.backend.kernel_timings()
 
+    def plan_range(self) -> Optional[dict]:
+        return self.backend.plan_range()
+
     def roofline(self) -> Optional[dict]:
         return self._roofline
 

@@ -302,12 +302,15 @@ class TritonBackend(Backend):
         range_plans: dict = {}                     # key -> [(below, plan)] (context ranges)
         need_p, need_c = 1, 1
 
-        def add(W, prologue, epilogue, head_dim=0):
+        self._plan_names: dict = {"attention": "attention_decode"}   # plan key -> kernel name
+
+        def add(name, W, prologue, epilogue, head_dim=0):
             nonlocal need_p, need_c
             n_out = W.shape[0] // 2 if epilogue == "silu_mul" else W.shape[0]
             key = (tuple(W.shape), prologue, epilogue)
             if key in self._fplans:
                 return
+            self._plan_names[key] = name
             p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
             self._fplans[key] = p
             rps = (G.fused_range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
@@ -323,14 +326,15 @@ class TritonBackend(Backend):
         for L in self.layers:
             m = L.mixer
             if isinstance(m, _GdnLayer):
-                add(m.qkvba, "rms", "conv")
-                add(m.out_proj, "gated", "residual", cfg.linear_value_head_dim)
+                add("gemv_gdn_in_proj_norm_conv", m.qkvba, "rms", "conv")
+                add("gemv_gdn_out_proj_gatednorm", m.out_proj, "gated", "residual",
+                    cfg.linear_value_head_dim)
             else:
-                add(m.qkv, "rms", "plain")
-                add(m.o_proj, "none", "residual")
-            add(L.gate_up, "rms", "silu_mul")
-            add(L.down, "none", "residual")
-        add(self.lm_head_w, "rms", "plain")            # the sampled path's LM head
+                add("gemv_attn_qkv_norm", m.qkv, "rms", "plain")
+                add("gemv_attn_o_proj", m.o_proj, "none", "residual")
+            add("gemv_mlp_gate_up_norm_silu", L.gate_up, "rms", "silu_mul")
+            add("gemv_mlp_down", L.down, "none", "residual")
+        add("gemv_lm_head_norm", self.lm_head_w, "rms", "plain")   # the sampled path's LM head
         self.gemv_partials = torch.zeros(need_p, device=self.device, dtype=torch.float32)
         self.gemv_counters = torch.zeros(need_c, device=self.device, dtype=torch.int32)
         # short contexts: up to this many active splits the attention leaves its merge to the
@@ -378,6 +382,20 @@ class TritonBackend(Backend):
     def _use_range(self, i: int) -> None:
         self._range = i
         self._plans_now = self._ranges[i][1]
+
+    def plan_range(self) -> Optional[dict]:
+        """The context range whose kernel plans the next decode step runs: {"index", "count",
+        "start", "below" (None: to the end of the context), "tuned": the kernels whose launch
+        plan there is not the base one, by name}; None while one set of plans serves every
+        position (the ranges off, or none in the decode table)."""
+        if len(self._ranges) < 2:
+            return None
+        i = self._range_of(self.state.length)
+        below, plans = self._ranges[i]
+        tuned = sorted({self._plan_names.get(key, str(key)) for key, p in plans.items()
+                        if p is not None and p != self._fplans.get(key)})
+        return {"index": i, "count": len(self._ranges),
+                "start": self._ranges[i - 1][0] if i else 0, "below": below, "tuned": tuned}
 
     @property
     def context_range_bounds(self) -> list[int]:

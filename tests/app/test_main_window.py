@@ -376,6 +376,16 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     send(qtbot, w, "measure me", timeout=60000)
     assert w.timing.xs and all(y > 0 for y in w.timing.ys)   # tok/s still plots
     assert "tok/s" in w.timing.summary.text()
+    assert not w.timing.plan_range.isVisibleTo(w)          # no plans per context range here
+    # an engine switch changed while the panel is open: the panel reads the timings again
+    timings = []
+    w.engine.worker.timings.connect(timings.append)
+    s = copy.deepcopy(w.settings)
+    s.context_ranges = not s.context_ranges
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: len(timings) == 1, timeout=10000)
+    assert session.of("configure")[-1] == ("configure", {"context_ranges": s.context_ranges})
+    assert timings[0]["plan_range"] is None
     w.timing.toggleViewAction().trigger()
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure", {"timing": False}))
     assert not w.timing_button.isChecked()

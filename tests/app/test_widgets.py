@@ -10,7 +10,8 @@ from PySide6.QtCore import Qt
 from tritonchat.app.chat_input import MAX_LINES, ChatInput
 from tritonchat.app.conversation_list import ConversationList, age_text
 from tritonchat.app.theme import DARK, LIGHT
-from tritonchat.app.timing_panel import COLUMNS, TimingPanel, format_bytes, kernel_sum_text
+from tritonchat.app.timing_panel import (COLUMNS, TimingPanel, format_bytes, kernel_sum_text,
+                                        plan_range_text)
 
 
 # ---------------------------------------------------------------- input
@@ -231,6 +232,37 @@ def test_timing_panel_theme_and_many_points(panel):
     for n in range(1, 5000):
         panel.add_stats({"new_tokens": n, "decode_tok_s": 100.0 + n % 7})
     assert len(panel.xs) <= 4000 and panel.xs == sorted(panel.xs)
+
+
+def test_plan_range_text_names_the_range_and_its_tuned_kernels():
+    assert plan_range_text(None) == "" and plan_range_text({"count": 1}) == ""
+    short = {"index": 0, "count": 4, "start": 0, "below": 768, "tuned": ["gemv_attn_qkv_norm"]}
+    assert plan_range_text(short) == ("Kernel plans for context positions 0\u2013767 (set 1 of 4): "
+                                      "gemv_attn_qkv_norm tuned for this range.")
+    middle = {"index": 2, "count": 4, "start": 1792, "below": 22528, "tuned": []}
+    assert plan_range_text(middle) == ("Kernel plans for context positions 1,792\u201322,527 "
+                                       "(set 3 of 4): the base plans.")
+    last = {"index": 3, "count": 4, "start": 22528, "below": None,
+            "tuned": ["attention_decode", "gemv_mlp_down"]}
+    assert plan_range_text(last) == ("Kernel plans for context positions from 22,528 on (set 4 of "
+                                     "4): attention_decode, gemv_mlp_down tuned for this range.")
+
+
+def test_timing_panel_shows_the_running_plan_range(panel):
+    panel.set_capabilities({"triton": True})
+    info = {"kernels": None, "roofline": None, "memory": {},
+            "plan_range": {"index": 1, "count": 4, "start": 768, "below": 1792,
+                           "tuned": ["gemv_attn_qkv_norm"]}}
+    panel.set_timings(info)
+    assert panel.plan_range.isVisibleTo(panel) and "768\u20131,791" in panel.plan_range.text()
+    assert "CUDA graph" in panel.plan_range.toolTip()
+    panel.set_timings(dict(info, plan_range=None))          # the ranges switched off
+    assert not panel.plan_range.isVisibleTo(panel) and panel.plan_range.text() == ""
+    panel.set_timings(info)
+    panel.set_capabilities({"triton": False})               # the reference engine: no plans
+    assert not panel.plan_range.isVisibleTo(panel)
+    panel.set_timings(info)
+    assert not panel.plan_range.isVisibleTo(panel)
 
 
 def test_memory_sizes_read_right_at_every_scale():

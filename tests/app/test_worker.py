@@ -105,6 +105,7 @@ def test_configure_and_timings_and_count(worker):
     w.read_timings()
     (info,), = rec.of("timings")
     assert info["kernels"] is None and info["memory"] == {} and "roofline" in info
+    assert info["plan_range"] is None          # the reference keeps no plans per context range
     w.count_tokens(7, [{"role": "user", "content": "hello"}], False)
     (tag, n, max_ctx), = rec.of("tokenCount")
     assert tag == 7 and n > 0 and max_ctx == 1024

@@ -462,6 +462,30 @@ def test_context_ranges_switch(ckpt, range_table):
     assert off.context_range_bounds == [] and off.options.context_ranges is False
 
 
+def test_plan_range_names_the_running_range(ckpt, range_table):
+    """plan_range() (the app's timing panel shows it) gives the range of the position the next
+    step decodes at, its bounds and the kernels whose plans there are not the base ones; None
+    with the ranges off."""
+    if "grouped" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+    device = "cuda" if CUDA else "cpu"
+    _, _, tri = _pair(ckpt, device=device, dtype="bfloat16" if CUDA else "float32", graph=False)
+    range_table(tri, attention=LONG_ATTENTION)
+    gemvs = ["gemv_attn_qkv_norm", "gemv_mlp_gate_up_norm_silu"]     # the table's ranged GEMVs
+    want = {0: (0, 0, 24, gemvs), 23: (0, 0, 24, gemvs), 24: (1, 24, 30, gemvs),
+            30: (2, 30, None, ["attention_decode"]), 45: (2, 30, None, ["attention_decode"])}
+    for pos, (index, start, below, tuned) in want.items():
+        tri.state.length = pos
+        assert tri.plan_range() == {"index": index, "count": 3, "start": start, "below": below,
+                                    "tuned": tuned}, pos
+    tri.configure(context_ranges=False)
+    assert tri.plan_range() is None
+    range_table(tri)                               # GEMV ranges only: the last range is the base
+    tri.state.length = 31
+    assert tri.plan_range() == {"index": 2, "count": 3, "start": 30, "below": None, "tuned": []}
+    tri.state.length = 0
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_attention_context_range_equals_reference(ckpt, range_table):
     """With a launch plan for the attention from position 30 on in the table, the steps from 30
