@@ -222,6 +222,8 @@ def test_worker_on_the_triton_backend(tiny_model_dir):
     w.read_timings()
     (timings,), = rec.of("timings")
     assert timings["memory"]["total_bytes"] > 0
+    pr = timings["plan_range"]                  # None where the table has no ranges for this shape
+    assert pr is None or (pr["count"] >= 2 and 0 <= pr["index"] < pr["count"])
     rows = timings["kernels"]
     assert rows and all({"name", "launches_per_token", "us_per_token", "share", "gb_s"} <= set(r) for r in rows)
     assert abs(sum(r["share"] for r in rows) - 1.0) < 0.05
