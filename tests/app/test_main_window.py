@@ -377,15 +377,22 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     assert w.timing.xs and all(y > 0 for y in w.timing.ys)   # tok/s still plots
     assert "tok/s" in w.timing.summary.text()
     assert not w.timing.plan_range.isVisibleTo(w)          # no plans per context range here
-    # an engine switch changed while the panel is open: the panel reads the timings again
-    timings = []
-    w.engine.worker.timings.connect(timings.append)
-    s = copy.deepcopy(w.settings)
-    s.context_ranges = not s.context_ranges
-    w.apply_settings(s)
-    qtbot.waitUntil(lambda: len(timings) == 1, timeout=10000)
-    assert session.of("configure")[-1] == ("configure", {"context_ranges": s.context_ranges})
-    assert timings[0]["plan_range"] is None
+    # an engine switch changed while the panel is open: the panel reads the timings again, after
+    # the switch (the worker runs the two in order)
+    reads = []
+    read = w.engine.read_timings
+    w.engine.configure = lambda _c=w.engine.configure, **kw: (reads.append("configure"), _c(**kw))
+    w.engine.read_timings = lambda: (reads.append("read"), read())
+    try:
+        s = copy.deepcopy(w.settings)
+        s.context_ranges = not s.context_ranges
+        w.apply_settings(s)
+    finally:
+        del w.engine.read_timings, w.engine.configure
+    assert reads == ["configure", "read"]
+    qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure",
+                                                             {"context_ranges": s.context_ranges}),
+                    timeout=10000)
     w.timing.toggleViewAction().trigger()
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure", {"timing": False}))
     assert not w.timing_button.isChecked()
