@@ -29,7 +29,7 @@ class SamplingParams:
 @dataclass
 class EngineOptions:
     """How the engine is built. Switchable at run time: split_k, graph, timing, l2_state,
-    context_ranges."""
+    context_ranges, launch_cache."""
 
     backend: str = "reference"      # "reference" | "triton"
     device: str = "cpu"             # "cpu" | "cuda"
@@ -40,6 +40,7 @@ class EngineOptions:
     timing: bool = False            # per-kernel GPU timing (Triton backend only)
     l2_state: bool = True           # GDN states kept in a persisting L2 window (graph decode, CUDA)
     context_ranges: bool = True     # the decode table's plans per range of positions (Triton)
+    launch_cache: bool = True       # graph off: replay the step's recorded launches (Triton, CUDA)
 
     def to_dict(self) -> dict:
         return asdict(self)

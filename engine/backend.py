@@ -92,7 +92,7 @@ class Backend(ABC):
     # --- switches and measurement (Triton backend; the reference has none) ---
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
                   timing: Optional[bool] = None, l2_state: Optional[bool] = None,
-                  context_ranges: Optional[bool] = None) -> None:
+                  context_ranges: Optional[bool] = None, launch_cache: Optional[bool] = None) -> None:
         """Apply run-time switches; call on the thread that owns the backend."""
 
     def kernel_timings(self) -> Optional[list[dict]]:

@@ -44,7 +44,8 @@ def _build(args, split_k: bool, graph: bool, context: int):
     device = args.device or "cuda"
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
                          split_k=split_k, graph=graph, l2_state=args.l2_state == "on",
-                         context_ranges=args.context_ranges == "on")
+                         context_ranges=args.context_ranges == "on",
+                         launch_cache=getattr(args, "launch_cache", "on") == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:
@@ -329,6 +330,8 @@ def run_bench(args) -> int:
         r.update(split_k=split_k, graph=graph, fraction_of_roofline=r["decode_tok_s"] / roof_tok_s)
         if be.name == "triton":                  # kernels of its graph with the L2 window on them
             r["l2_state_nodes"] = be.l2_state_nodes if graph else 0
+            # graph off: whether the steps replayed their recorded launches (engine/launch_replay.py)
+            r["launch_replay"] = bool(be.launch_replay_active)
         toks = r.pop("token_ids")
         if ref_tokens is None:
             ref_tokens = toks
@@ -368,6 +371,23 @@ def run_bench(args) -> int:
             report["context_ranges_speedup"] = runs[0]["decode_tok_s"] / r["decode_tok_s"]
             print(f"context ranges off (one graph): {r['decode_tok_s']:.1f} tok/s (on / off "
                   f"{report['context_ranges_speedup']:.3f}x)", file=sys.stderr)
+    if args.compare and be.name == "triton":
+        # the graph-off step with the launch cache switched: every launch through our wrappers
+        # and Triton's dispatch (cache off), or replayed (on)
+        on = be.options.launch_cache
+        be.configure(split_k=configs[0][0], graph=False, launch_cache=not on)
+        r = decode_run(be, prompt, new_tokens)
+        r_replay = bool(be.launch_replay_active)
+        be.configure(graph=configs[0][1], launch_cache=on)
+        same = r.pop("token_ids") == ref_tokens
+        r = {k: r[k] for k in ("decode_tok_s", "ms_per_token") if k in r}
+        r.update(split_k=configs[0][0], graph=False, launch_cache=not on, launch_replay=r_replay,
+                 tokens_equal_first_config=same)
+        report["launch_cache_switched"] = r
+        eager = next(x["decode_tok_s"] for x in runs if x["split_k"] == configs[0][0] and not x["graph"])
+        report["launch_cache_speedup"] = (eager / r["decode_tok_s"]) if on else (r["decode_tok_s"] / eager)
+        print(f"graph off, launch cache {'off' if on else 'on'}: {r['decode_tok_s']:.1f} tok/s "
+              f"(on / off {report['launch_cache_speedup']:.2f}x)", file=sys.stderr)
     report["kernels"] = kernel_table(be, prompt)
     mem = be.memory_info()
     report["gpu_memory"] = {"allocated_gib": mem.get("allocated_bytes", 0) / 2**30,
@@ -428,6 +448,10 @@ def run_bench(args) -> int:
             report["ours_vs_transformers"] = report["decode_tok_s"] / t["decode_tok_s"]
         g = {(r["split_k"], r["graph"]): r["decode_tok_s"] for r in runs}
         report["graph_speedup"] = g[(True, True)] / g[(True, False)]
+        lc = report.get("launch_cache_switched")
+        if lc and lc["launch_cache"] is False and configs[0][0]:
+            # the graph against eager launches through Triton's dispatch, as before the cache
+            report["graph_speedup_vs_dispatch"] = g[(True, True)] / lc["decode_tok_s"]
         report["split_k_speedup"] = g[(True, True)] / g[(False, True)]
         if args.plot:
             write_plot(report, args.plot)
@@ -457,7 +481,8 @@ def _print_table(report: dict) -> None:
         for k in report["kernels"]:
             print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
                   f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
-    for key in ("l2_state_switched", "context_ranges_switched", "sampled", "long_context",
+    for key in ("l2_state_switched", "context_ranges_switched", "launch_cache_switched", "sampled",
+                "long_context",
                 "long_context_ranges_off", "context_sweep", "prefill", "transformers"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])}")
@@ -470,12 +495,19 @@ def write_plot(report: dict, path: str) -> None:
     runs = report["runs"]
     labels = [f"split-K {'on' if r['split_k'] else 'off'}\ngraph {'on' if r['graph'] else 'off'}" for r in runs]
     vals = [r["decode_tok_s"] for r in runs]
+    lc = report.get("launch_cache_switched")
+    if lc and lc.get("launch_cache") is False:
+        labels.append(f"split-K {'on' if lc['split_k'] else 'off'}\ngraph off,\nno launch cache")
+        vals.append(lc["decode_tok_s"])
     t = report.get("transformers") or {}
     if "decode_tok_s" in t:
         labels.append("transformers\neager")
         vals.append(t["decode_tok_s"])
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    bars = ax.bar(labels, vals, color=["#3b7dd8", "#6aa0e8", "#e8a33b", "#d8703b", "#999999"][: len(vals)])
+    colors = ["#3b7dd8", "#6aa0e8", "#e8a33b", "#d8703b"][: len(runs)]
+    colors += ["#b0643a"] * (len(vals) - len(runs) - (1 if "decode_tok_s" in t else 0))
+    colors += ["#999999"] if "decode_tok_s" in t else []
+    bars = ax.bar(labels, vals, color=colors)
     roof = report["roofline"]["tok_s"]
     ax.axhline(roof, color="#c62828", linestyle="--", label=f"HBM roofline {roof:.0f} tok/s")
     ax.axhline(0.8 * roof, color="#c62828", linestyle=":", alpha=0.6, label="80% of roofline")

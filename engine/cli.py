@@ -36,6 +36,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-ranges", choices=["on", "off"], default="on",
                    help="the decode table's kernel plans per range of positions, one graph each "
                         "(Triton backend)")
+    p.add_argument("--launch-cache", choices=["on", "off"], default="on",
+                   help="with --graph off, replay the decode step's recorded kernel launches "
+                        "instead of launching each through Triton's dispatch (Triton backend)")
     p.add_argument("--offline", action="store_true", help="never download; use the cache or --model DIR")
 
 
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GDN states in a persisting L2 window (--compare also measures it off)")
     b.add_argument("--context-ranges", choices=["on", "off"], default="on",
                    help="kernel plans per range of positions (--compare also measures them off)")
+    b.add_argument("--launch-cache", choices=["on", "off"], default="on",
+                   help="graph off: replay the step's recorded launches (--compare also measures "
+                        "it off)")
     b.add_argument("--context", type=int, default=None)
     b.add_argument("--compare", action="store_true",
                    help="split-K x graph matrix, transformers eager, long-context decode")
@@ -114,7 +120,8 @@ def _options(args, context_default: int = 32768):
         raise UsageError("--context must be at least 2 tokens.")
     return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
                            split_k=args.split_k == "on", graph=args.graph == "on",
-                           l2_state=args.l2_state == "on", context_ranges=args.context_ranges == "on")
+                           l2_state=args.l2_state == "on", context_ranges=args.context_ranges == "on",
+                           launch_cache=args.launch_cache == "on")
 
 
 def _model_dir(model: Optional[str], offline: bool):

@@ -102,9 +102,9 @@ class ChatSession:
 
     # ---- switches ----
     def configure(self, *, split_k=None, graph=None, timing=None, l2_state=None,
-                  context_ranges=None) -> None:
+                  context_ranges=None, launch_cache=None) -> None:
         self.backend.configure(split_k=split_k, graph=graph, timing=timing, l2_state=l2_state,
-                               context_ranges=context_ranges)
+                               context_ranges=context_ranges, launch_cache=launch_cache)
         if timing and self._roofline is None and getattr(self.backend, "measure_roofline", None):
             self._roofline = self.backend.measure_roofline()
 

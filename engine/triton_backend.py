@@ -153,6 +153,12 @@ class TritonBackend(Backend):
         self._graphs: Optional[list] = None       # one captured decode step per context range
         self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
         self._timed_graph_failed = False
+        # eager decode (graph off): each context range's recorded launches, replayed from the
+        # host (engine/launch_replay.py); a range records at its second eager step (its first
+        # compiles the kernels), and nothing is recorded again once a recording was refused
+        self._replays: dict = {}
+        self._eager_ran: set = set()
+        self.launch_cache_error: Optional[str] = None
         self._context_ranges = bool(options.context_ranges)   # the table's per-range plans in use
         self._set_split_k(options.split_k)
         self._timer: Optional[_Timer] = None
@@ -687,9 +693,40 @@ class TritonBackend(Backend):
             elif self.options.graph and self.device.type == "cuda":
                 replay_or_capture(self)
             else:
-                self._decode_step()
+                self._eager_step()
         self.state.length += 1
         self._pending_head = False
+
+    def _eager_step(self) -> None:
+        """One decode step without the graph: the range's recorded launches replayed from the
+        host where there are some (launch_cache on, CUDA), else launched through Triton."""
+        if not self.options.launch_cache or self.device.type != "cuda":
+            self._decode_step()
+            return
+        rec = self._replays.get(self._range)
+        if rec is not None and rec.stream == torch.cuda.current_stream(self.device).cuda_stream:
+            rec.replay()
+            return
+        if self._range not in self._eager_ran or self.launch_cache_error is not None:
+            self._eager_ran.add(self._range)
+            self._decode_step()
+            return
+        from .launch_replay import record
+        rec, why = record(self._decode_step, self.device)
+        if rec is None:
+            # said once; eager decode launches through Triton from now on, as without the cache
+            self.launch_cache_error = why
+            print(f"tritonchat: the decode step's launches cannot be replayed ({why}); launching "
+                  "them through Triton.", file=sys.stderr)
+        else:
+            self._replays[self._range] = rec
+
+    @property
+    def launch_replay_active(self) -> bool:
+        """Whether eager decode steps replay recorded launches now (graph off, cache on, CUDA,
+        the current range recorded)."""
+        return (self.options.launch_cache and not self.options.graph and self.device.type == "cuda"
+                and self._range in self._replays)
 
     def _capture_timed_graph(self) -> None:
         """The decode step with an event-record node between kernels (for the timing panel), one
@@ -869,14 +906,23 @@ class TritonBackend(Backend):
         self.l2_state_nodes = 0
 
     def _invalidate_graph(self) -> None:
+        """Drop the captured decode steps and the recorded eager launches (valid exactly where
+        the graphs are): the step's plans, buffers or sampler changed."""
         self._graph = None
         self._graphs = None
         self._timed_graphs = None
         self._timed_graph_failed = False
+        self._replays = {}
+        self._eager_ran = set()
 
     def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
                   timing: Optional[bool] = None, l2_state: Optional[bool] = None,
-                  context_ranges: Optional[bool] = None) -> None:
+                  context_ranges: Optional[bool] = None, launch_cache: Optional[bool] = None) -> None:
+        if launch_cache is not None and bool(launch_cache) != self.options.launch_cache:
+            self.options.launch_cache = bool(launch_cache)
+            self._replays = {}
+            self._eager_ran = set()
+            self.launch_cache_error = None
         if split_k is not None and bool(split_k) != self.options.split_k:
             self._set_split_k(bool(split_k))
         if context_ranges is not None:

@@ -143,14 +143,15 @@ def test_triton_backend_on_cpu_under_the_interpreter(model_dir):
 
 
 def test_engine_switches_reach_the_options():
-    """--split-k, --graph, --l2-state and --context-ranges become the engine options (defaults
-    on); the bench takes the same switches."""
+    """--split-k, --graph, --l2-state, --context-ranges and --launch-cache become the engine
+    options (defaults on); the bench takes the same switches."""
     from tritonchat.engine.cli import _options, build_parser
     p = build_parser()
     on = _options(p.parse_args(["generate", "--device", "cpu", "--prompt", "hi"]))
-    assert on.split_k and on.graph and on.l2_state and on.context_ranges
+    assert on.split_k and on.graph and on.l2_state and on.context_ranges and on.launch_cache
     off = _options(p.parse_args(["generate", "--device", "cpu", "--split-k", "off", "--graph", "off",
-                                 "--l2-state", "off", "--context-ranges", "off", "--prompt", "hi"]))
-    assert not (off.split_k or off.graph or off.l2_state or off.context_ranges)
-    b = p.parse_args(["bench", "--context-ranges", "off", "--l2-state", "off"])
-    assert b.context_ranges == "off" and b.l2_state == "off"
+                                 "--l2-state", "off", "--context-ranges", "off", "--launch-cache", "off",
+                                 "--prompt", "hi"]))
+    assert not (off.split_k or off.graph or off.l2_state or off.context_ranges or off.launch_cache)
+    b = p.parse_args(["bench", "--context-ranges", "off", "--l2-state", "off", "--launch-cache", "off"])
+    assert b.context_ranges == "off" and b.l2_state == "off" and b.launch_cache == "off"

@@ -537,6 +537,51 @@ def test_gpu_attention_context_range_graphs_equal_eager(ckpt, range_table):
 
 
 @pytest.mark.gpu
+def test_gpu_launch_cache_equals_dispatch_and_graph(ckpt, range_table):
+    """Graph off, each range's recorded launches replayed (the default) give the graph's tokens
+    and those of every launch through Triton's dispatch (launch cache off), greedy and seeded
+    sampling, across two context-range bounds: each range records at its second step, a replay
+    allocates nothing, and a new sampler mode or a split-K switch drops the recordings."""
+    cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True, max_context=256)
+    range_table(tri, bounds=(32, 48))
+    prompt = list(range(5, 30))
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    gen = Generator(tri, [])
+    want = {}
+    for name, p in (("greedy", GREEDY), ("sampled", sampled)):
+        gen.forget()
+        want[name] = gen.generate(prompt, p, max_new_tokens=40).token_ids   # positions 25..64
+    tri.configure(graph=False)
+    for cache in (True, False):
+        tri.configure(launch_cache=cache)
+        for name, p in (("greedy", GREEDY), ("sampled", sampled)):
+            gen.forget()
+            assert gen.generate(prompt, p, max_new_tokens=40).token_ids == want[name], (cache, name)
+            if cache:
+                assert sorted(tri._replays) == [0, 1, 2] and tri.launch_replay_active
+                assert all(len(r) >= 4 * cfg.num_hidden_layers for r in tri._replays.values())
+            else:
+                assert tri._replays == {} and not tri.launch_replay_active
+    assert tri.launch_cache_error is None
+    tri.configure(launch_cache=True)
+    gen.forget()
+    gen.generate(prompt, GREEDY, max_new_tokens=40)
+    rec = tri._replays[2]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    rec.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "the replay allocated"
+    tri.begin_sampling(sampled, [])
+    assert tri._replays == {}                           # a new sampler mode: a new step
+    gen.forget()
+    gen.generate(prompt, GREEDY, max_new_tokens=40)
+    assert tri._replays
+    tri.configure(split_k=not tri.options.split_k)
+    assert tri._replays == {}
+
+
+@pytest.mark.gpu
 def test_gpu_context_ranges_graphs_equal_eager_and_no_recapture(ckpt, range_table):
     """One captured step per context range, all captured at the first step: decoding across
     both bounds replays them without capturing again, and gives the eager path's tokens (which

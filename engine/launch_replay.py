@@ -1,0 +1,115 @@
+"""Eager decode without the per-launch Python work: the Triton launches of one decode step,
+recorded once and then replayed from the host, launch by launch.
+
+With the CUDA graph off the host launches each of the step's ~123 kernels. Through our
+wrappers (argument checks, plan lookups) and Triton's dispatch (binding and specialising the
+arguments, the kernel-cache lookup) each launch cost the device's host ~47 us, so the eager step
+took ~5.8 ms for ~0.6 ms of GPU work (stop 33, experiments/stop33/profile_eager.py). Yet the
+step's launches are the same at every step of a context range: the kernels read the token and
+the position from device tensors, which is what lets one captured CUDA graph serve the range.
+So the engine records them once, each launch's Triton launcher and the arguments Triton passed
+it, and afterwards calls those launchers directly, in the same order, on the same stream. That
+is still one host launch per kernel (what the CUDA graph saves is measured against it), without
+re-deriving every launch; it is valid exactly where the captured graph would be, and the engine
+drops it wherever it drops the graphs.
+
+The recording is refused (None and the reason), and the engine launches through Triton as
+before, when the step ran anything but Triton launches and tensor views (a PyTorch kernel in it
+would be missing from the replay), when a launch hook is set (a profiler's, which should see
+every launch made afresh), or when nothing went through a launcher (the Triton interpreter).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# the launcher's positional arguments: grid x, y, z, stream, function, packed metadata, launch
+# metadata (what a hook reads: the kernel's name, function and stream, the same for the same
+# launch), enter hook, exit hook, then the kernel's own (Triton 3.2 to 3.9 alike)
+_STREAM, _FIRST_HOOK_ARG, _KERNEL_ARGS = 3, 6, 9
+
+
+class _StepOps(TorchDispatchMode):
+    """The PyTorch operators a step runs, other than views."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not getattr(func, "is_view", False):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class LaunchRecording:
+    """One decode step's Triton launches, replayable from the host on the stream they were
+    recorded on."""
+
+    def __init__(self, call: Callable, launches: list, stream: int):
+        self._call = call                   # the launcher class's own __call__
+        self._launches = launches           # [(launcher, positional args)] in launch order
+        self.stream = stream
+
+    def __len__(self) -> int:
+        return len(self._launches)
+
+    def replay(self) -> None:
+        call = self._call
+        for launcher, args in self._launches:
+            call(launcher, *args)
+
+
+def _hook_set(hook) -> bool:
+    """A launch hook that does something: Triton up to 3.3 passes None for none, later ones a
+    HookChain whose list of calls is empty."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return not (isinstance(calls, list) and not calls)
+
+
+def _launcher_class():
+    from triton.runtime import driver
+    return driver.active.launcher_cls
+
+
+def record(step: Callable[[], None], device: torch.device) -> tuple[Optional[LaunchRecording], str]:
+    """Run `step` once (always, and for real: its kernels execute), recording its Triton
+    launches where it can. Returns (the recording, "") or (None, why it cannot be replayed)."""
+    if device.type != "cuda":
+        step()
+        return None, "launches are replayed on CUDA devices only"
+    try:
+        cls = _launcher_class()
+        call = cls.__call__
+    except Exception as e:  # a Triton without a launcher class: launch through it as before
+        step()
+        return None, f"this Triton has no launcher to call ({type(e).__name__})"
+    launches: list = []
+
+    def recording_call(launcher, *args):
+        launches.append((launcher, args))
+        return call(launcher, *args)
+
+    ops = _StepOps()
+    cls.__call__ = recording_call
+    try:
+        with ops:
+            step()
+    finally:
+        cls.__call__ = call
+    if ops.ops:
+        return None, f"the step runs PyTorch operators besides its Triton launches ({ops.ops[0]})"
+    if not launches:
+        return None, "no Triton launch went through a launcher"
+    if any(len(a) < _KERNEL_ARGS for _, a in launches):
+        return None, "this Triton's launcher takes other arguments"
+    if any(_hook_set(h) for _, a in launches for h in a[_FIRST_HOOK_ARG + 1:_KERNEL_ARGS]):
+        return None, "a Triton launch hook is set"
+    streams = {a[_STREAM] for _, a in launches}
+    if len(streams) != 1:
+        return None, "the step's launches went to more than one stream"
+    return LaunchRecording(call, launches, streams.pop()), ""
