@@ -60,6 +60,8 @@ def format_stats(stats: dict | None) -> str:
                           ("context_ranges", "context ranges")):
             if key in s:
                 flags.append(f"{name} {'on' if s[key] else 'off'}")
+        if "launch_cache" in s and s.get("graph") is False:        # it acts only without the graph
+            flags.append(f"launch cache {'on' if s['launch_cache'] else 'off'}")
     if flags:
         parts.append(" ".join(flags))
     return "  \u00b7  ".join(parts)
@@ -76,9 +78,10 @@ def stats_tooltip(stats: dict | None) -> str:
             ("Backend", "backend", "{}"), ("Device", "device", "{}"), ("Dtype", "dtype", "{}"),
             ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
             ("GDN states in L2", "l2_state", "{}"), ("Context-range plans", "context_ranges", "{}"),
+            ("Launch cache (graph off)", "launch_cache", "{}"),
             ("Context", "max_context", "{:,} tokens")]
     # the switches act on the Triton backend only (the reference one reports its options unused)
-    switches = ({"split_k", "graph", "l2_state", "context_ranges"}
+    switches = ({"split_k", "graph", "l2_state", "context_ranges", "launch_cache"}
                 if stats.get("backend") not in (None, "triton") else set())
     lines = []
     for label, key, fmt in rows:

@@ -315,7 +315,8 @@ class MainWindow(QMainWindow):
         self._engine_wanted = {"max_context": self.settings.context_length,
                                "split_k": self.settings.split_k, "graph": self.settings.graph,
                                "l2_state": self.settings.l2_state,
-                               "context_ranges": self.settings.context_ranges}
+                               "context_ranges": self.settings.context_ranges,
+                               "launch_cache": self.settings.launch_cache}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -405,6 +406,8 @@ class MainWindow(QMainWindow):
                 parts.append(f"L2 states {'on' if o['l2_state'] else 'off'}")
             if "context_ranges" in o:
                 parts.append(f"context ranges {'on' if o['context_ranges'] else 'off'}")
+            if "launch_cache" in o and not o.get("graph"):     # it acts only without the graph
+                parts.append(f"launch cache {'on' if o['launch_cache'] else 'off'}")
         name = Path(self.model_dir).name if self.model_dir else ""
         self.engine_label.setText(" \u00b7 ".join(p for p in [name] + parts if p))
 
@@ -740,7 +743,8 @@ class MainWindow(QMainWindow):
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
         wanted = {"split_k": new.split_k, "graph": new.graph, "l2_state": new.l2_state,
-                  "context_ranges": new.context_ranges, "max_context": new.context_length}
+                  "context_ranges": new.context_ranges, "launch_cache": new.launch_cache,
+                  "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
         if changes and self.loaded:
             self.engine.configure(**changes)

@@ -37,6 +37,7 @@ class ChatSettings:
     graph: bool = True
     l2_state: bool = True               # the GDN states in a persisting L2 window (Triton, CUDA)
     context_ranges: bool = True         # kernel plans per range of positions (Triton)
+    launch_cache: bool = True           # graph off: replay the step's recorded launches (Triton)
     theme: str = "system"
 
     def sampling_params(self) -> SamplingParams:
@@ -86,6 +87,7 @@ def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -
         graph=_get(qs, "engine/graph", True, bool),
         l2_state=_get(qs, "engine/l2_state", True, bool),
         context_ranges=_get(qs, "engine/context_ranges", True, bool),
+        launch_cache=_get(qs, "engine/launch_cache", True, bool),
         theme=t if (t := _get(qs, "ui/theme", "system", str)) in ("system", "light", "dark") else "system",
     )
 
@@ -107,5 +109,6 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     qs.setValue("engine/graph", bool(s.graph))
     qs.setValue("engine/l2_state", bool(s.l2_state))
     qs.setValue("engine/context_ranges", bool(s.context_ranges))
+    qs.setValue("engine/launch_cache", bool(s.launch_cache))
     qs.setValue("ui/theme", s.theme)
     qs.sync()

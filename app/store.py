@@ -375,4 +375,6 @@ def stats_line(stats: dict | None) -> str:
                           ("context_ranges", "context ranges")):
             if key in flat:
                 items.append(f"{name} {'on' if flat[key] else 'off'}")
+        if "launch_cache" in flat and flat.get("graph") is False:    # it acts only without the graph
+            items.append(f"launch cache {'on' if flat['launch_cache'] else 'off'}")
     return " · ".join(items)

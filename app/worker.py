@@ -95,7 +95,8 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ load
     @Slot(str, object)
     def load(self, model_dir: str, settings: dict) -> None:
-        """settings: {"max_context", "split_k", "graph", "l2_state", "context_ranges", "timing"}
+        """settings: {"max_context", "split_k", "graph", "l2_state", "context_ranges",
+        "launch_cache", "timing"}
         from the app's
         preferences;
         backend/device/dtype come from what the machine has (or settings' "backend"/"device")."""
@@ -106,7 +107,8 @@ class EngineWorker(QObject):
         try:
             options = default_options(**{k: settings[k] for k in ("backend", "device", "dtype")
                                          if settings.get(k)})
-            for key in ("max_context", "split_k", "graph", "l2_state", "context_ranges", "timing"):
+            for key in ("max_context", "split_k", "graph", "l2_state", "context_ranges",
+                        "launch_cache", "timing"):
                 if settings.get(key) is not None:
                     setattr(options, key, settings[key])
         except Exception as exc:   # engine import failed: same path as a failed load
@@ -171,13 +173,13 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ switches
     @Slot(object)
     def configure(self, changes: dict) -> None:
-        """changes: any of split_k, graph, l2_state, context_ranges, timing (bool) and
+        """changes: any of split_k, graph, l2_state, context_ranges, launch_cache, timing (bool) and
         max_context (int)."""
         if self.session is None:
             return
         try:
-            switches = {k: changes[k] for k in ("split_k", "graph", "l2_state", "context_ranges", "timing")
-                        if k in changes}
+            switches = {k: changes[k] for k in ("split_k", "graph", "l2_state", "context_ranges",
+                                                "launch_cache", "timing") if k in changes}
             if switches:
                 self.session.configure(**switches)
             n = changes.get("max_context")

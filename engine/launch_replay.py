@@ -8,7 +8,9 @@ took ~5.8 ms for ~0.6 ms of GPU work (stop 33, experiments/stop33/profile_eager.
 step's launches are the same at every step of a context range: the kernels read the token and
 the position from device tensors, which is what lets one captured CUDA graph serve the range.
 So the engine records them once, each launch's Triton launcher and the arguments Triton passed
-it, and afterwards calls those launchers directly, in the same order, on the same stream. That
+it, and afterwards calls those launchers directly, in the same order, on the same stream (for
+a kernel that needs no scratch memory, the launcher's own call into the driver, with the
+arguments it passed, since the launcher does nothing else for it). That
 is still one host launch per kernel (what the CUDA graph saves is measured against it), without
 re-deriving every launch; it is valid exactly where the captured graph would be, and the engine
 drops it wherever it drops the graphs.
@@ -20,6 +22,7 @@ every launch made afresh), or when nothing went through a launcher (the Triton i
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -48,18 +51,17 @@ class LaunchRecording:
     """One decode step's Triton launches, replayable from the host on the stream they were
     recorded on."""
 
-    def __init__(self, call: Callable, launches: list, stream: int):
-        self._call = call                   # the launcher class's own __call__
-        self._launches = launches           # [(launcher, positional args)] in launch order
+    def __init__(self, launches: list, stream: int, direct: int):
+        self._launches = launches           # [(callable, positional args)] in launch order
         self.stream = stream
+        self.direct = direct                # how many of them call the driver's launch directly
 
     def __len__(self) -> int:
         return len(self._launches)
 
     def replay(self) -> None:
-        call = self._call
-        for launcher, args in self._launches:
-            call(launcher, *args)
+        for fn, args in self._launches:
+            fn(*args)
 
 
 def _hook_set(hook) -> bool:
@@ -88,11 +90,30 @@ def record(step: Callable[[], None], device: torch.device) -> tuple[Optional[Lau
     except Exception as e:  # a Triton without a launcher class: launch through it as before
         step()
         return None, f"this Triton has no launcher to call ({type(e).__name__})"
-    launches: list = []
+    launches: list = []     # (launcher, its arguments, the driver launch's arguments or None)
 
     def recording_call(launcher, *args):
-        launches.append((launcher, args))
-        return call(launcher, *args)
+        # one level further down where that is plain: the launcher's own work before the
+        # driver's launch (scratch buffers, sanitizer state) is nothing for a kernel that needs
+        # no scratch, so the replay can call the driver's launch with the same arguments
+        inner = launcher.__dict__.get("launch")
+        if (inner is None or getattr(launcher, "global_scratch_size", 1) != 0
+                or getattr(launcher, "profile_scratch_size", 0) != 0
+                or getattr(launcher, "gsan_enabled", False)):
+            launches.append((launcher, args, None))
+            return call(launcher, *args)
+        seen: list = []
+
+        def spy(*launch_args):
+            seen.append(launch_args)
+            return inner(*launch_args)
+
+        launcher.launch = spy
+        try:
+            return call(launcher, *args)
+        finally:
+            launcher.launch = inner
+            launches.append((launcher, args, seen[0] if len(seen) == 1 else None))
 
     ops = _StepOps()
     cls.__call__ = recording_call
@@ -105,11 +126,14 @@ def record(step: Callable[[], None], device: torch.device) -> tuple[Optional[Lau
         return None, f"the step runs PyTorch operators besides its Triton launches ({ops.ops[0]})"
     if not launches:
         return None, "no Triton launch went through a launcher"
-    if any(len(a) < _KERNEL_ARGS for _, a in launches):
+    if any(len(a) < _KERNEL_ARGS for _, a, _ in launches):
         return None, "this Triton's launcher takes other arguments"
-    if any(_hook_set(h) for _, a in launches for h in a[_FIRST_HOOK_ARG + 1:_KERNEL_ARGS]):
+    if any(_hook_set(h) for _, a, _ in launches for h in a[_FIRST_HOOK_ARG + 1:_KERNEL_ARGS]):
         return None, "a Triton launch hook is set"
-    streams = {a[_STREAM] for _, a in launches}
+    streams = {a[_STREAM] for _, a, _ in launches}
     if len(streams) != 1:
         return None, "the step's launches went to more than one stream"
-    return LaunchRecording(call, launches, streams.pop()), ""
+    replay = [(launcher.launch, driver_args) if driver_args is not None
+              else (functools.partial(call, launcher), a) for launcher, a, driver_args in launches]
+    direct = sum(driver_args is not None for _, _, driver_args in launches)
+    return LaunchRecording(replay, streams.pop(), direct), ""

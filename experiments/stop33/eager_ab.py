@@ -23,7 +23,8 @@ def main():
             ref = ref or toks
             print(f"round {rnd} graph {graph} cache {cache}: {r['decode_tok_s']:.1f} tok/s "
                   f"{r['ms_per_token']:.3f} ms/token replay={be.launch_replay_active} "
-                  f"equal={toks == ref} err={be.launch_cache_error}", flush=True)
+                  f"equal={toks == ref} err={be.launch_cache_error} "
+                  f"recorded={[(len(r), r.direct) for r in be._replays.values()]}", flush=True)
 
 
 if __name__ == "__main__":

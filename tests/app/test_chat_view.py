@@ -231,9 +231,15 @@ def test_format_stats_line_and_tooltip():
     assert format_stats(dict(stats, l2_state=True, context_ranges=False)).endswith(
         "L2 states on context ranges off")
     assert "Context-range plans: False" in stats_tooltip(dict(stats, context_ranges=False))
-    ref = stats_tooltip(dict(stats, backend="reference", l2_state=True, context_ranges=True))
+    # the launch cache, only where it acts: without the graph
+    assert format_stats(dict(stats, context_ranges=True, launch_cache=False)).endswith(
+        "context ranges on launch cache off")
+    assert "launch cache" not in format_stats(dict(stats, graph=True, launch_cache=True))
+    assert "Launch cache (graph off): False" in stats_tooltip(dict(stats, launch_cache=False))
+    ref = stats_tooltip(dict(stats, backend="reference", l2_state=True, context_ranges=True,
+                             launch_cache=True))
     assert "Backend: reference" in ref and "Split-K" not in ref and "CUDA Graph" not in ref
-    assert "GDN states in L2" not in ref and "Context-range" not in ref
+    assert "GDN states in L2" not in ref and "Context-range" not in ref and "Launch cache" not in ref
 
 
 def test_interrupted_thinking_without_stats(view):

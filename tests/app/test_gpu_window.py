@@ -91,4 +91,15 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     assert off["split_k"] is False and off["graph"] is False
     assert off["decode_tok_s"] < on["decode_tok_s"]
     line = w.chat.messages[-1].stats_label.text()
-    assert "split-K off" in line and "graph off" in line
+    assert "split-K off" in line and "graph off" in line and "launch cache on" in line
+    assert off["launch_cache"] is True and session.inner.backend.launch_replay_active
+
+    # and the launch cache off too: every launch through Triton's dispatch, slower again
+    s = copy.deepcopy(w.settings)
+    s.launch_cache = False
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: ("configure", {"launch_cache": False}) in session.calls, timeout=20000)
+    dispatch = send(qtbot, w, "And without the launch cache", timeout=120000)
+    assert dispatch["launch_cache"] is False and not session.inner.backend.launch_replay_active
+    assert dispatch["decode_tok_s"] < off["decode_tok_s"]
+    assert "launch cache off" in w.chat.messages[-1].stats_label.text()

@@ -288,9 +288,14 @@ def test_engine_switches_reach_configure(qtbot, make_window, recording_loader):
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 4, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"context_ranges": False})
+    s = copy.deepcopy(s)
+    s.launch_cache = False
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: len(session.of("configure")) == 5, timeout=10000)
+    assert session.of("configure")[-1] == ("configure", {"launch_cache": False})
     w.apply_settings(copy.deepcopy(s))                    # nothing changed: nothing is sent
     send(qtbot, w, "after the switches")
-    assert len(session.of("configure")) == 4
+    assert len(session.of("configure")) == 5
 
 
 def test_context_length_change_applies_without_restart(qtbot, make_window, recording_loader):

@@ -19,7 +19,8 @@ def test_fresh_settings_follow_the_model(qsettings):
     assert s.sampling == MODEL
     assert s.system_prompt == "" and s.seed is None and s.thinking is False
     assert s.max_new_tokens == DEFAULT_MAX_NEW_TOKENS and s.context_length == DEFAULT_CONTEXT
-    assert s.split_k and s.graph and s.l2_state and s.context_ranges and s.theme == "system"
+    assert s.split_k and s.graph and s.l2_state and s.context_ranges and s.launch_cache
+    assert s.theme == "system"
     assert s.sampling_params().seed is None
 
 
@@ -43,7 +44,8 @@ def test_round_trip_everything(qsettings, tmp_path):
     s = ChatSettings(system_prompt="Be brief.\nAlways.", sampling=replace(MODEL, temperature=0.2, min_p=0.05,
                                                                           repetition_penalty=1.1),
                      max_new_tokens=123, seed=42, context_length=8192, thinking=True, split_k=False,
-                     graph=False, l2_state=False, context_ranges=False, theme="dark")
+                     graph=False, l2_state=False, context_ranges=False, launch_cache=False,
+                     theme="dark")
     save_settings(qsettings, s, MODEL)
     back = load_settings(open_settings(str(tmp_path / "settings.ini")), MODEL)
     assert back == s
@@ -86,7 +88,7 @@ def dialog(qtbot):
 def test_dialog_shows_and_returns_the_settings(dialog):
     s = ChatSettings(system_prompt="sys", sampling=replace(MODEL, top_k=5), max_new_tokens=77, seed=9,
                      context_length=16384, thinking=True, split_k=False, graph=True, l2_state=False,
-                     context_ranges=False,
+                     context_ranges=False, launch_cache=False,
                      theme="light")
     d = dialog(s, caps={"triton": True, "device_name": "NVIDIA H200", "reason": ""})
     assert d.system_prompt.toPlainText() == "sys" and d.top_k.value() == 5
@@ -96,6 +98,8 @@ def test_dialog_shows_and_returns_the_settings(dialog):
     assert not d.l2_state.isChecked() and d.l2_state.isEnabled() and "L2" in d.l2_state.toolTip()
     assert (not d.context_ranges.isChecked() and d.context_ranges.isEnabled()
             and "graph per range" in d.context_ranges.toolTip())
+    assert (not d.launch_cache.isChecked() and d.launch_cache.isEnabled()
+            and "dispatch" in d.launch_cache.toolTip())
     assert "H200" in d.engine_note.text()
     assert d.settings() == s
 
@@ -128,7 +132,7 @@ def test_dialog_reset_to_model_defaults(dialog):
 
 def test_triton_switches_disabled_with_the_reason(dialog):
     d = dialog()
-    for box in (d.split_k, d.graph, d.l2_state, d.context_ranges):
+    for box in (d.split_k, d.graph, d.l2_state, d.context_ranges, d.launch_cache):
         assert not box.isEnabled() and box.toolTip() == "No CUDA GPU: reference."
     assert d.engine_note.text() == "No CUDA GPU: reference."
 

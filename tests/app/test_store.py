@@ -368,7 +368,11 @@ def test_stats_line_flat_and_empty():
     assert stats_line(dict(flat, l2_state=True, context_ranges=False)).endswith(
         "L2 states on · context ranges off")
     # the reference backend runs none of the Triton switches: its export does not claim them
-    ref = dict(flat, backend="reference", l2_state=True, context_ranges=True)
+    # the launch cache acts only without the graph, and is named only then
+    assert "launch cache" not in stats_line(dict(flat, launch_cache=True))
+    assert stats_line(dict(flat, graph=False, launch_cache=True)).endswith(
+        "CUDA Graph off · launch cache on")
+    ref = dict(flat, backend="reference", l2_state=True, context_ranges=True, launch_cache=False)
     assert stats_line(ref) == "TTFT 5 ms · 0 tokens · stop: stopped · reference"
     assert stats_line(dict(ref, backend="triton")).endswith(
         "triton · split-K off · CUDA Graph on · L2 states on · context ranges on")

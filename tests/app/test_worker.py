@@ -40,7 +40,7 @@ def worker(tiny_model_dir):
     w = EngineWorker(real_loader())
     rec = Recorder(w)
     w.load(str(tiny_model_dir), {"max_context": 1024, "split_k": False, "graph": True, "l2_state": False,
-                                 "context_ranges": False})
+                                 "context_ranges": False, "launch_cache": False})
     yield w, rec
     w.shutdown()
 
@@ -54,7 +54,7 @@ def test_load_reports_progress_and_info(worker):
     info = rec.of("loaded")[0][0]
     assert info["options"]["backend"] == "reference" and info["options"]["max_context"] == 1024
     assert info["options"]["split_k"] is False and info["options"]["l2_state"] is False
-    assert info["options"]["context_ranges"] is False
+    assert info["options"]["context_ranges"] is False and info["options"]["launch_cache"] is False
     assert info["capabilities"]["triton"] is False and info["capabilities"]["reason"]
     assert set(info["generation_defaults"]) >= {"temperature", "top_k", "top_p"}
     stages = [s for s, _ in rec.of("loadProgress")]

@@ -22,6 +22,26 @@ class FakeLauncher:
         FakeLauncher.log.append((self.name, a[:3], a[3], a[9:]))
 
 
+class DriverLauncher(FakeLauncher):
+    """Triton 3.6+'s launcher shape: after its own work (scratch buffers) it calls the
+    driver's launch, an attribute of the instance, with everything the kernel needs."""
+
+    def __init__(self, name, global_scratch_size=0):
+        super().__init__(name)
+        self.global_scratch_size = global_scratch_size
+        self.profile_scratch_size = 0
+        self.launch = self._driver_launch
+        self.calls = 0
+
+    def _driver_launch(self, *a):
+        FakeLauncher.log.append((self.name, a[:3], a[3], a[5:]))
+
+    def __call__(self, *a):
+        self.calls += 1
+        scratch = object() if self.global_scratch_size else None      # a fresh buffer a launch
+        self.launch(*a[:4], a[4], scratch, *a[9:])
+
+
 @pytest.fixture
 def fake(monkeypatch):
     FakeLauncher.log = []
@@ -52,6 +72,31 @@ def test_records_the_step_and_replays_its_launches_in_order(fake):
     rec.replay()
     assert fake.log[3:6] == ran and fake.log[6:] == ran
     assert fake.log[4][3][0].data_ptr() == x[1:].data_ptr()
+
+
+def test_a_launcher_without_scratch_is_replayed_through_the_driver_launch(fake, monkeypatch):
+    """Where the launcher calls the driver's launch and needs no scratch, the replay calls the
+    driver's launch with the arguments it got; a launcher that needs scratch (a new buffer a
+    launch) is called whole."""
+    monkeypatch.setattr(launch_replay, "_launcher_class", lambda: DriverLauncher)
+    original = DriverLauncher.__call__
+    plain, scratch = DriverLauncher("plain"), DriverLauncher("scratch", global_scratch_size=64)
+    x = torch.arange(3.0)
+
+    def step():
+        _launch(plain, x, 1)
+        _launch(scratch, x, 2)
+
+    rec, why = launch_replay.record(step, CUDA_DEV)
+    assert rec is not None and len(rec) == 2 and rec.direct == 1
+    assert plain.launch == plain._driver_launch                  # put back after recording
+    ran = list(fake.log)
+    rec.replay()
+    assert plain.calls == 1 and scratch.calls == 2               # only the scratch one re-entered
+    assert fake.log[2][0] == "plain" and fake.log[2][1:3] == ran[0][1:3]
+    assert fake.log[2][3][1:] == ran[0][3][1:] and fake.log[3][0] == "scratch"
+    assert fake.log[3][3][0] is not ran[1][3][0]                 # its scratch made afresh
+    assert DriverLauncher.__call__ is original
 
 
 def test_a_pytorch_operator_in_the_step_refuses(fake):
