@@ -23,6 +23,7 @@ every launch made afresh), or when nothing went through a launcher (the Triton i
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -91,8 +92,11 @@ def record(step: Callable[[], None], device: torch.device) -> tuple[Optional[Lau
         step()
         return None, f"this Triton has no launcher to call ({type(e).__name__})"
     launches: list = []     # (launcher, its arguments, the driver launch's arguments or None)
+    owner = threading.get_ident()
 
     def recording_call(launcher, *args):
+        if threading.get_ident() != owner:     # another thread's launch: not the step's
+            return call(launcher, *args)
         # one level further down where that is plain: the launcher's own work before the
         # driver's launch (scratch buffers, sanitizer state) is nothing for a kernel that needs
         # no scratch, so the replay can call the driver's launch with the same arguments

@@ -99,6 +99,24 @@ def test_a_launcher_without_scratch_is_replayed_through_the_driver_launch(fake, 
     assert DriverLauncher.__call__ is original
 
 
+def test_another_threads_launch_meanwhile_is_not_recorded(fake):
+    import threading
+    a, b = FakeLauncher("step"), FakeLauncher("other thread")
+
+    def step():
+        _launch(a, 1)
+        t = threading.Thread(target=lambda: _launch(b, 2))
+        t.start()
+        t.join()
+        _launch(a, 3)
+
+    rec, why = launch_replay.record(step, CUDA_DEV)
+    assert rec is not None and len(rec) == 2
+    assert [e[0] for e in fake.log] == ["step", "other thread", "step"]   # all of them ran
+    rec.replay()
+    assert [e[0] for e in fake.log[3:]] == ["step", "step"]
+
+
 def test_a_pytorch_operator_in_the_step_refuses(fake):
     a, x = FakeLauncher("gemv"), torch.zeros(4)
 
