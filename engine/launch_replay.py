@@ -100,7 +100,7 @@ def record(step: Callable[[], None], device: torch.device) -> tuple[Optional[Lau
         # one level further down where that is plain: the launcher's own work before the
         # driver's launch (scratch buffers, sanitizer state) is nothing for a kernel that needs
         # no scratch, so the replay can call the driver's launch with the same arguments
-        inner = launcher.__dict__.get("launch")
+        inner = getattr(launcher, "__dict__", {}).get("launch")
         if (inner is None or getattr(launcher, "global_scratch_size", 1) != 0
                 or getattr(launcher, "profile_scratch_size", 0) != 0
                 or getattr(launcher, "gsan_enabled", False)):

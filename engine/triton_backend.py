@@ -155,7 +155,7 @@ class TritonBackend(Backend):
         self._timed_graph_failed = False
         # eager decode (graph off): each context range's recorded launches, replayed from the
         # host (engine/launch_replay.py); a range records at its second eager step (its first
-        # compiles the kernels), and nothing is recorded again once a recording was refused
+        # compiles the kernels); a refused recording turns the option off, with the reason
         self._replays: dict = {}
         self._eager_ran: set = set()
         self.launch_cache_error: Optional[str] = None
@@ -707,15 +707,17 @@ class TritonBackend(Backend):
         if rec is not None and rec.stream == torch.cuda.current_stream(self.device).cuda_stream:
             rec.replay()
             return
-        if self._range not in self._eager_ran or self.launch_cache_error is not None:
+        if self._range not in self._eager_ran:
             self._eager_ran.add(self._range)
             self._decode_step()
             return
-        from .launch_replay import record
-        rec, why = record(self._decode_step, self.device)
+        from . import launch_replay
+        rec, why = launch_replay.record(self._decode_step, self.device)
         if rec is None:
-            # said once; eager decode launches through Triton from now on, as without the cache
+            # said once; eager decode launches through Triton from now on, and the option reads
+            # off (as the L2 window's and the graph's do when they fail), so the stats say so
             self.launch_cache_error = why
+            self.options.launch_cache = False
             print(f"tritonchat: the decode step's launches cannot be replayed ({why}); launching "
                   "them through Triton.", file=sys.stderr)
         else:

@@ -582,6 +582,37 @@ def test_gpu_launch_cache_equals_dispatch_and_graph(ckpt, range_table):
 
 
 @pytest.mark.gpu
+def test_gpu_launch_cache_refused_reads_off_and_decodes(ckpt, monkeypatch, capsys):
+    """A recording refused (here by a stand-in for a step that runs a PyTorch operator) is said
+    once, the option reads off, and decoding goes on through Triton with the same tokens; turning
+    the cache on again tries again."""
+    from tritonchat.engine import launch_replay
+    cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=False, max_context=256)
+    prompt = list(range(5, 30))
+    gen = Generator(tri, [])
+    want = gen.generate(prompt, GREEDY, max_new_tokens=20).token_ids
+    assert tri.launch_replay_active and tri.options.launch_cache
+    real = launch_replay.record
+
+    def refuse(step, device):
+        step()
+        return None, "the step runs PyTorch operators besides its Triton launches (aten.add_)"
+
+    monkeypatch.setattr(launch_replay, "record", refuse)
+    tri.configure(launch_cache=False)
+    tri.configure(launch_cache=True)                   # records again, and is refused
+    gen.forget()
+    assert gen.generate(prompt, GREEDY, max_new_tokens=20).token_ids == want
+    assert tri.options.launch_cache is False and "aten.add_" in tri.launch_cache_error
+    assert capsys.readouterr().err.count("cannot be replayed") == 1
+    monkeypatch.setattr(launch_replay, "record", real)
+    tri.configure(launch_cache=True)
+    gen.forget()
+    assert gen.generate(prompt, GREEDY, max_new_tokens=20).token_ids == want
+    assert tri.options.launch_cache and tri.launch_cache_error is None and tri.launch_replay_active
+
+
+@pytest.mark.gpu
 def test_gpu_context_ranges_graphs_equal_eager_and_no_recapture(ckpt, range_table):
     """One captured step per context range, all captured at the first step: decoding across
     both bounds replays them without capturing again, and gives the eager path's tokens (which
