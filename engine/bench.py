@@ -45,7 +45,7 @@ def _build(args, split_k: bool, graph: bool, context: int):
     opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
                          split_k=split_k, graph=graph, l2_state=args.l2_state == "on",
                          context_ranges=args.context_ranges == "on",
-                         launch_cache=getattr(args, "launch_cache", "on") == "on")
+                         launch_cache=args.launch_cache == "on")
     if args.model:
         cfg, be = load_backend(args.model, opts)
     else:

@@ -156,8 +156,7 @@ class TritonBackend(Backend):
         # eager decode (graph off): each context range's recorded launches, replayed from the
         # host (engine/launch_replay.py); a range records at its second eager step (its first
         # compiles the kernels); a refused recording turns the option off, with the reason
-        self._replays: dict = {}
-        self._eager_ran: set = set()
+        self._drop_replays()
         self.launch_cache_error: Optional[str] = None
         self._context_ranges = bool(options.context_ranges)   # the table's per-range plans in use
         self._set_split_k(options.split_k)
@@ -914,6 +913,10 @@ class TritonBackend(Backend):
         self._graphs = None
         self._timed_graphs = None
         self._timed_graph_failed = False
+        self._drop_replays()
+
+    def _drop_replays(self) -> None:
+        """Forget the recorded eager launches; each range records again at its second step."""
         self._replays = {}
         self._eager_ran = set()
 
@@ -922,8 +925,7 @@ class TritonBackend(Backend):
                   context_ranges: Optional[bool] = None, launch_cache: Optional[bool] = None) -> None:
         if launch_cache is not None and bool(launch_cache) != self.options.launch_cache:
             self.options.launch_cache = bool(launch_cache)
-            self._replays = {}
-            self._eager_ran = set()
+            self._drop_replays()
             self.launch_cache_error = None
         if split_k is not None and bool(split_k) != self.options.split_k:
             self._set_split_k(bool(split_k))
