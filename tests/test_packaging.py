@@ -44,3 +44,22 @@ def test_device_qt_bundle_lists_what_the_app_needs():
     libs = [a.split("/")[-1] for a in arcs if a.startswith("lib/")]
     assert not any(n.startswith(("libc.so", "libstdc++", "ld-linux", "libm.so")) for n in libs)
     assert not any("__pycache__" in a or "/include/" in a for a in arcs)
+
+
+def test_repo_kernels_folder_does_not_shadow_an_installed_kernels_package(tmp_path):
+    """Hugging Face's `kernels` (transformers imports it whenever its distribution is installed)
+    must win over the repo's kernels/ folder even with the repo root first on sys.path, as under
+    `python -m pytest`: a regular package there would be imported instead and break transformers."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
+    code = ("import sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[2]); "
+            "import kernels; print(getattr(kernels, 'WHO', kernels.__path__))")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT), str(site)], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "installed"
+    # ...and the engine's kernels still import through the installed name.
+    r = subprocess.run([sys.executable, "-c", "import tritonchat.kernels.gemv as g; print(g.__name__)"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "tritonchat.kernels.gemv", r.stderr[-2000:]

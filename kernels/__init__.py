@@ -1,1 +1,0 @@
-"""tritonchat.kernels"""
