@@ -53,7 +53,8 @@ def test_repo_kernels_folder_does_not_shadow_an_installed_kernels_package(tmp_pa
     site = tmp_path / "site"
     (site / "kernels").mkdir(parents=True)
     (site / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
-    code = ("import sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[2]); "
+    # the repo root first, then an installed `kernels` (ahead of site-packages, which may hold the real one)
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; "
             "import kernels; print(getattr(kernels, 'WHO', kernels.__path__))")
     r = subprocess.run([sys.executable, "-c", code, str(ROOT), str(site)], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)
