@@ -60,7 +60,3 @@ def test_repo_kernels_folder_does_not_shadow_an_installed_kernels_package(tmp_pa
                        timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "installed"
-    # ...and the engine's kernels still import through the installed name.
-    r = subprocess.run([sys.executable, "-c", "import tritonchat.kernels.gemv as g; print(g.__name__)"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0 and r.stdout.strip() == "tritonchat.kernels.gemv", r.stderr[-2000:]
