@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, Q
                                QMessageBox, QProgressBar, QSplitter, QToolButton,
                                QVBoxLayout, QWidget)
 
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 
 from . import theme
 from .chat_input import ChatInput, ElidedLabel

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QSettings
 
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams
 
 ORGANIZATION = "tritonchat"
 APPLICATION = "tritonchat"

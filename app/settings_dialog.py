@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QFormLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSpinBox, QTabWidget, QVBoxLayout, QWidget)
 
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 
 from .settings import CONTEXT_CHOICES, ChatSettings
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams, switch_fields
 
 # (model_dir, options, progress) -> session with the ChatSession interface
 SessionLoader = Callable[[str, EngineOptions, Callable[[str, float], None]], Any]
@@ -65,7 +65,7 @@ def _default_loader(model_dir: str, options: EngineOptions, progress) -> Any:
 
 def default_options(**overrides) -> EngineOptions:
     """CUDA + Triton + bf16 where a GPU is, else the CPU reference engine (engine thread only)."""
-    from tritonchat.engine.loader import default_options as engine_defaults
+    from tritonchat.engine.options import default_options as engine_defaults
 
     return engine_defaults(**overrides)
 
@@ -173,13 +173,11 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ switches
     @Slot(object)
     def configure(self, changes: dict) -> None:
-        """changes: any of split_k, graph, l2_state, context_ranges, launch_cache, timing (bool) and
-        max_context (int)."""
+        """changes: any switch of EngineOptions (options.switch_fields, bool) and max_context (int)."""
         if self.session is None:
             return
         try:
-            switches = {k: changes[k] for k in ("split_k", "graph", "l2_state", "context_ranges",
-                                                "launch_cache", "timing") if k in changes}
+            switches = {f.name: changes[f.name] for f in switch_fields() if f.name in changes}
             if switches:
                 self.session.configure(**switches)
             n = changes.get("max_context")

@@ -1,49 +1,9 @@
-"""Plain data passed between the engine, the CLI and the app (no torch, no Qt)."""
+"""What a generation returns, passed between the engine, the CLI and the app (no torch, no Qt).
+
+The options going in are in engine/options.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
-
-
-@dataclass
-class SamplingParams:
-    """How the next token is chosen. greedy=True (or temperature == 0) means argmax."""
-
-    temperature: float = 1.0
-    top_k: int = 20            # 0 = off
-    top_p: float = 1.0         # 1.0 = off
-    min_p: float = 0.0         # 0.0 = off
-    presence_penalty: float = 0.0      # subtracted once from logits of every token already generated
-    repetition_penalty: float = 1.0    # HF style: logit/r if > 0 else logit*r, over prompt + generated
-    seed: Optional[int] = None
-    greedy: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature <= 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class EngineOptions:
-    """How the engine is built. Switchable at run time: split_k, graph, timing, l2_state,
-    context_ranges, launch_cache."""
-
-    backend: str = "reference"      # "reference" | "triton"
-    device: str = "cpu"             # "cpu" | "cuda"
-    dtype: str = "float32"          # "bfloat16" | "float16" | "float32"
-    max_context: int = 32768
-    split_k: bool = True
-    graph: bool = True
-    timing: bool = False            # per-kernel GPU timing (Triton backend only)
-    l2_state: bool = True           # GDN states kept in a persisting L2 window (graph decode, CUDA)
-    context_ranges: bool = True     # the decode table's plans per range of positions (Triton)
-    launch_cache: bool = True       # graph off: replay the step's recorded launches (Triton, CUDA)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

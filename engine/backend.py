@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Optional, Sequence
 
-from .api import EngineOptions, SamplingParams
+from .options import EngineOptions, SamplingParams, check_switches
 
 
 class Backend(ABC):
@@ -90,10 +90,11 @@ class Backend(ABC):
         raise NotImplementedError
 
     # --- switches and measurement (Triton backend; the reference has none) ---
-    def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
-                  timing: Optional[bool] = None, l2_state: Optional[bool] = None,
-                  context_ranges: Optional[bool] = None, launch_cache: Optional[bool] = None) -> None:
-        """Apply run-time switches; call on the thread that owns the backend."""
+    def configure(self, **switches: bool) -> None:
+        """Apply run-time switches (fields of EngineOptions, see options.switch_fields); call on
+        the thread that owns the backend. The reference backend records them and runs the same."""
+        for name, on in check_switches(switches).items():
+            setattr(self.options, name, on)
 
     def kernel_timings(self) -> Optional[list[dict]]:
         """Per-kernel table of the last timed steps, or None when timing is off / unsupported.

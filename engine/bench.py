@@ -13,11 +13,12 @@ import json
 import sys
 import statistics
 import time
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from .api import EngineOptions, SamplingParams
+from .options import EngineOptions, SamplingParams
 from .errors import TritonChatError
 
 
@@ -38,19 +39,14 @@ def _random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, min(vocab, 240000), (n,), generator=g).tolist()
 
 
-def _build(args, split_k: bool, graph: bool, context: int):
+def _build(args, options: EngineOptions):
     from .config import qwen35_08b_config
     from .loader import load_backend, random_backend
-    device = args.device or "cuda"
-    opts = EngineOptions(backend=args.backend, device=device, dtype=args.dtype, max_context=context,
-                         split_k=split_k, graph=graph, l2_state=args.l2_state == "on",
-                         context_ranges=args.context_ranges == "on",
-                         launch_cache=args.launch_cache == "on")
     if args.model:
-        cfg, be = load_backend(args.model, opts)
+        cfg, be = load_backend(args.model, options)
     else:
         cfg = qwen35_08b_config()
-        be = random_backend(cfg, opts)
+        be = random_backend(cfg, options)
     return cfg, be
 
 
@@ -292,30 +288,32 @@ def prefill_table(be, cfg, lens: list[int], repeats: int = 5) -> dict:
     return out
 
 
-def run_bench(args) -> int:
-    if not torch.cuda.is_available():
-        raise TritonChatError("tritonchat bench needs a CUDA GPU (it measures GPU decode speed against HBM bandwidth).")
+def run_bench(args, options: EngineOptions) -> int:
+    """The bench of `tritonchat bench`: `options` from its flags, args for the rest."""
+    if not options.device.startswith("cuda") or not torch.cuda.is_available():
+        raise TritonChatError("The bench needs a CUDA GPU (it measures GPU decode speed against HBM bandwidth).")
     if not args.model and not args.random_weights:
         args.random_weights = True
     lens = [int(x) for x in (args.prefill_lens or "128,2048,8192,32768").split(",") if x]
     # the TTFT table's longest prompt must fit with room for its first token
     context = args.context or (max(32768, max(lens) + 512) if args.compare else 32768)
+    options = replace(options, max_context=context)
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     if prompt_len < 1 or new_tokens < 2:
         raise TritonChatError("--prompt-len must be >= 1 and --new-tokens >= 2.")
     if prompt_len + new_tokens + 16 > context:
         raise TritonChatError(f"--prompt-len + --new-tokens must fit the context ({context}).")
     gpu = torch.cuda.get_device_name(0)
-    configs = [(args.split_k == "on", args.graph == "on")]
+    configs = [(options.split_k, options.graph)]
     if args.compare:
         configs = [(True, True), (False, True), (True, False), (False, False)]
-    cfg, be = _build(args, *configs[0], context)
+    cfg, be = _build(args, replace(options, split_k=configs[0][0], graph=configs[0][1]))
     prompt = _random_prompt(prompt_len, cfg.vocab_size)
-    nbytes = cfg.decode_bytes_per_token(2 if args.dtype != "float32" else 4, context=prompt_len + new_tokens // 2)
+    nbytes = cfg.decode_bytes_per_token(2 if options.dtype != "float32" else 4, context=prompt_len + new_tokens // 2)
     methods = measure_hbm_read_methods(nbytes, be.device)
     hbm = max(methods.values())
     roof_tok_s = hbm * 1e9 / nbytes
-    report = {"gpu": gpu, "backend": be.name, "dtype": args.dtype, "weights": args.model or "random (true 0.8B shape)",
+    report = {"gpu": gpu, "backend": be.name, "dtype": options.dtype, "weights": args.model or "random (true 0.8B shape)",
               "prompt_len": prompt_len, "new_tokens": new_tokens, "context": context,
               "roofline": {"hbm_read_gb_s": hbm, "hbm_read_methods_gb_s": methods, "bytes_per_token": nbytes,
                            "floor_ms": nbytes / hbm / 1e6, "tok_s": roof_tok_s}}
@@ -423,8 +421,8 @@ def run_bench(args) -> int:
             report["context_sweep"] = [long_context_run(be, cfg, p, min(new_tokens, 128), hbm)
                                        for p in SWEEP_POSITIONS if p < pos]
             be.reset()
-        graphed = getattr(be, "prefill_graph", False)
-        be.prefill_graph = False                 # the plain launches first, then the graphs
+        graphed = be.options.prefill_graph
+        be.configure(prefill_graph=False)        # the plain launches first, then the graphs
         report["prefill"] = prefill_table(be, cfg, [n for n in lens if n < context])
         print("TTFT (median of 5): " + ", ".join(
             f"{n} tok {v['ttft_ms']:.1f} ms" for n, v in report["prefill"].items() if "ttft_ms" in v),
@@ -433,12 +431,12 @@ def run_bench(args) -> int:
             # the same prompts through the prefill CUDA graphs (the warm-up run of each length
             # captures its bucket's graph; the measured runs replay it)
             from .triton_prefill import GRAPH_MAX_T
-            be.prefill_graph = True
+            be.configure(prefill_graph=True)
             report["prefill_graphed"] = prefill_table(be, cfg, [n for n in lens if n <= GRAPH_MAX_T])
             print("TTFT with prefill graphs (median of 5): " + ", ".join(
                 f"{n} tok {v['ttft_ms']:.1f} ms" for n, v in report["prefill_graphed"].items()
                 if "ttft_ms" in v), file=sys.stderr)
-        be.prefill_graph = graphed
+        be.configure(prefill_graph=graphed)
         be.close()
         del be
         torch.cuda.empty_cache()

@@ -21,24 +21,37 @@ class UsageError(TritonChatError):
     pass
 
 
+def _add_engine_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    """The engine's options as flags, one per field of EngineOptions (engine/options.py)."""
+    from .options import EngineOptions, fields_by_name, switch_fields
+    f = fields_by_name()
+    p.add_argument("--backend", choices=f["backend"].metadata["choices"], default="triton" if bench else None,
+                   help=f["backend"].metadata["help"] + ("" if bench else " (default: triton on CUDA, else reference)"))
+    p.add_argument("--device", default=None, help=f["device"].metadata["help"] + " (default: cuda if available)")
+    p.add_argument("--dtype", choices=f["dtype"].metadata["choices"], default="bfloat16" if bench else None,
+                   help=f["dtype"].metadata["help"] + ("" if bench else " (default: bfloat16 on CUDA, float32 on CPU)"))
+    p.add_argument("--context", type=int, default=None,
+                   help=f"{f['max_context'].metadata['help']} (default {EngineOptions.max_context})")
+    for sw in switch_fields():
+        measured = sw.metadata["measured"]
+        p.add_argument("--" + sw.name.replace("_", "-"), choices=["on", "off"], default=None,
+                       help=f"{sw.metadata['help']} (default {'on' if sw.default else 'off'}"
+                            f"{'; ' + measured if measured else ''})")
+
+
+def engine_options(args, context_default: int = 32768):
+    """EngineOptions from the flags of _add_engine_args, validated."""
+    from .options import default_options, switch_fields
+    switches = {sw.name: getattr(args, sw.name) == "on" for sw in switch_fields()
+                if getattr(args, sw.name) is not None}
+    ctx = args.context if args.context is not None else context_default
+    return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
+                           **switches)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or hub id (default Qwen/Qwen3.5-0.8B)")
-    p.add_argument("--backend", choices=["reference", "triton"], default=None,
-                   help="inference backend (default: triton on CUDA, else reference)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--context", type=int, default=None, help="max context in tokens (default 32768)")
-    p.add_argument("--split-k", choices=["on", "off"], default="on", help="split-K GEMV (Triton backend)")
-    p.add_argument("--graph", choices=["on", "off"], default="on", help="CUDA Graph decode (Triton backend)")
-    p.add_argument("--l2-state", choices=["on", "off"], default="on",
-                   help="keep the GDN states in a persisting L2 window (Triton backend, graph decode)")
-    p.add_argument("--context-ranges", choices=["on", "off"], default="on",
-                   help="the decode table's kernel plans per range of positions, one graph each "
-                        "(Triton backend)")
-    p.add_argument("--launch-cache", choices=["on", "off"], default="on",
-                   help="with --graph off, replay the decode step's recorded kernel launches "
-                        "instead of launching each through Triton's dispatch (Triton backend)")
+    _add_engine_args(p)
     p.add_argument("--offline", action="store_true", help="never download; use the cache or --model DIR")
 
 
@@ -85,21 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--random-weights", action="store_true", help="true 0.8B shape, random values")
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=512)
-    b.add_argument("--split-k", choices=["on", "off"], default="on")
-    b.add_argument("--graph", choices=["on", "off"], default="on")
-    b.add_argument("--l2-state", choices=["on", "off"], default="on",
-                   help="GDN states in a persisting L2 window (--compare also measures it off)")
-    b.add_argument("--context-ranges", choices=["on", "off"], default="on",
-                   help="kernel plans per range of positions (--compare also measures them off)")
-    b.add_argument("--launch-cache", choices=["on", "off"], default="on",
-                   help="graph off: replay the step's recorded launches (--compare also measures "
-                        "it off)")
-    b.add_argument("--context", type=int, default=None)
+    _add_engine_args(b, bench=True)
     b.add_argument("--compare", action="store_true",
                    help="split-K x graph matrix, transformers eager, long-context decode")
-    b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    b.add_argument("--backend", choices=["reference", "triton"], default="triton")
-    b.add_argument("--device", default=None)
     b.add_argument("--prefill-lens", default=None, help="comma-separated prompt lengths for the TTFT table")
     b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
     b.add_argument("--json", action="store_true")
@@ -113,24 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- helpers ----
 
-def _options(args, context_default: int = 32768):
-    from .loader import default_options
-    ctx = args.context if args.context is not None else context_default
-    if ctx < 2:
-        raise UsageError("--context must be at least 2 tokens.")
-    return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
-                           split_k=args.split_k == "on", graph=args.graph == "on",
-                           l2_state=args.l2_state == "on", context_ranges=args.context_ranges == "on",
-                           launch_cache=args.launch_cache == "on")
-
-
 def _model_dir(model: Optional[str], offline: bool):
     from . import hub
     return hub.resolve_model(model or hub.DEFAULT_MODEL, offline=offline, progress=hub.cli_progress_printer())
 
 
 def _sampling(args, defaults):
+    """The model's recommended sampling with the flags given on top, validated."""
     from dataclasses import replace
+    from .options import check_max_new_tokens
     p = replace(defaults)
     for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "seed"):
         v = getattr(args, name)
@@ -138,19 +130,8 @@ def _sampling(args, defaults):
             setattr(p, name, v)
     if args.greedy:
         p.greedy = True
-    if p.temperature < 0:
-        raise UsageError("--temperature must be >= 0.")
-    if not 0.0 < p.top_p <= 1.0:
-        raise UsageError("--top-p must be in (0, 1].")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise UsageError("--min-p must be in [0, 1].")
-    if p.top_k < 0:
-        raise UsageError("--top-k must be >= 0 (0 = off).")
-    if p.repetition_penalty <= 0:
-        raise UsageError("--repetition-penalty must be > 0.")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1.")
-    return p
+    check_max_new_tokens(args.max_new_tokens)
+    return p.validate()
 
 
 def _parse_ids(text: str, vocab: int) -> list[int]:
@@ -173,7 +154,7 @@ def cmd_generate(args) -> int:
     from .session import ChatSession
 
     model_dir = _model_dir(args.model, args.offline)
-    session = ChatSession.load(model_dir, _options(args))
+    session = ChatSession.load(model_dir, engine_options(args))
     tok = session.tokenizer
     params = _sampling(args, session.generation_defaults)
     if args.prompt_ids is not None:
@@ -216,7 +197,7 @@ def cmd_chat(args) -> int:
 
     model_dir = _model_dir(args.model, args.offline)
     print(f"Loading {model_dir} ...", file=sys.stderr)
-    session = ChatSession.load(model_dir, _options(args))
+    session = ChatSession.load(model_dir, engine_options(args))
     params = _sampling(args, session.generation_defaults)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", file=sys.stderr)
@@ -281,7 +262,7 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
-    return run_bench(args)
+    return run_bench(args, engine_options(args))
 
 
 def cmd_install_desktop(args) -> int:

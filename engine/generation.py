@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .api import GenerationResult, GenerationStats, SamplingParams
+from .api import GenerationResult, GenerationStats
+from .options import SamplingParams, check_max_new_tokens
 from .backend import Backend
 from .errors import ContextFullError
 
@@ -79,6 +80,8 @@ class Generator:
                  split_at: Optional[int] = None) -> GenerationResult:
         """split_at: where the generation prompt starts (the chat history before it is shared by
         the next turn, regenerate and edit); the state there is snapshotted for reuse."""
+        params.validate()
+        check_max_new_tokens(max_new_tokens)
         prompt = [int(i) for i in prompt_ids]
         be = self.backend
         if not prompt:

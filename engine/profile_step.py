@@ -145,7 +145,7 @@ def main(argv=None) -> int:
 
     from tritonchat.kernels.tune_decode import replay_ms
 
-    from .api import EngineOptions, SamplingParams
+    from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
     from .loader import random_backend
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .api import EngineOptions, SamplingParams
+from .options import EngineOptions, SamplingParams
 from .backend import Backend
 from .config import FULL_ATTENTION, TextConfig
 from .sampling import TokenHistory, sample_next

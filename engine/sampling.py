@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .api import SamplingParams
+from .options import SamplingParams
 
 
 class TokenHistory:

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .api import EngineOptions, GenerationResult, SamplingParams
+from .api import GenerationResult
+from .options import EngineOptions, SamplingParams
 from .backend import Backend
 from .errors import ContextFullError
 from .generation import Generator
-from .loader import cuda_available, load_backend
+from .loader import load_backend
+from .options import cuda_available
 from .thinking import ThinkingSplitter
 from .tokenizer import ChatTokenizer
 
@@ -101,10 +103,10 @@ class ChatSession:
         return self.backend.memory_info()
 
     # ---- switches ----
-    def configure(self, *, split_k=None, graph=None, timing=None, l2_state=None,
-                  context_ranges=None, launch_cache=None) -> None:
-        self.backend.configure(split_k=split_k, graph=graph, timing=timing, l2_state=l2_state,
-                               context_ranges=context_ranges, launch_cache=launch_cache)
+    def configure(self, **switches: bool) -> None:
+        """Switches of EngineOptions (options.switch_fields) applied without a reload."""
+        self.backend.configure(**switches)
+        timing = switches.get("timing")
         if timing and self._roofline is None and getattr(self.backend, "measure_roofline", None):
             self._roofline = self.backend.measure_roofline()
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .api import EngineOptions, SamplingParams
+from .options import EngineOptions, SamplingParams, check_switches
 from .backend import Backend
 from .config import FULL_ATTENTION, TextConfig
 from .errors import BackendUnavailableError, ContextFullError
@@ -127,16 +127,9 @@ class TritonBackend(Backend):
                  valid_vocab: Optional[int] = None, progress: Optional[Callable[[str, float], None]] = None):
         import os
 
-        from tritonchat.kernels import gemv as gemv_mod
-        # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
-        # its weights while the previous kernel finishes. Measured +8% decode on the H200.
-        gemv_mod.USE_PDL = os.environ.get("TRITONCHAT_PDL", "1") == "1"
-        # where a kernel lets the next one launch: measured inside the step by engine/tune_step.py
-        # (recorded in the decode table); TRITONCHAT_PDL_EARLY=0/1 overrides
-        early = os.environ.get("TRITONCHAT_PDL_EARLY")
-        gemv_mod.PDL_EARLY = (early == "1") if early in ("0", "1") else gemv_mod.table_pdl_early()
         self.cfg = cfg
         self.options = options
+        self._apply_pdl()
         self.device = torch.device(options.device)
         if self.device.type != "cuda":
             if os.environ.get("TRITON_INTERPRET") != "1":
@@ -166,9 +159,8 @@ class TritonBackend(Backend):
         self._l2_error: Optional[str] = None     # why the GDN states cannot persist in L2
         self._l2_limit = 0                       # the L2 set aside for them now (bytes)
         self.l2_state_nodes = 0                  # kernel nodes of the last graph with the window
-        from .triton_prefill import prefill_graph_enabled
         # prompts up to 2,048 tokens replay a captured prefill per bucket length (CUDA)
-        self.prefill_graph = prefill_graph_enabled(self.device)
+        self.prefill_graph = options.prefill_graph and self.device.type == "cuda"
         self._sampling_key = None
         self._sample_kc = None               # the sampler's candidate count (sample_candidates)
         self._mode_params: Optional[SamplingParams] = None   # the settings the two above follow
@@ -920,9 +912,21 @@ class TritonBackend(Backend):
         self._replays = {}
         self._eager_ran = set()
 
-    def configure(self, *, split_k: Optional[bool] = None, graph: Optional[bool] = None,
-                  timing: Optional[bool] = None, l2_state: Optional[bool] = None,
-                  context_ranges: Optional[bool] = None, launch_cache: Optional[bool] = None) -> None:
+    def configure(self, **switches: bool) -> None:
+        sw = check_switches(switches)
+        split_k, graph, timing = sw.get("split_k"), sw.get("graph"), sw.get("timing")
+        l2_state, context_ranges, launch_cache = sw.get("l2_state"), sw.get("context_ranges"), sw.get("launch_cache")
+        if "prefill_graph" in sw:
+            self.options.prefill_graph = sw["prefill_graph"]
+            self.prefill_graph = self.options.prefill_graph and self.device.type == "cuda"
+        pdl = {k: sw[k] for k in ("pdl", "pdl_early") if k in sw and sw[k] != getattr(self.options, k)}
+        if pdl:
+            # the kernels read these when launched: record them anew (graphs, launch replays)
+            for k, v in pdl.items():
+                setattr(self.options, k, v)
+            self._apply_pdl()
+            self._drop_replays()
+            self._invalidate_graph()
         if launch_cache is not None and bool(launch_cache) != self.options.launch_cache:
             self.options.launch_cache = bool(launch_cache)
             self._drop_replays()
@@ -948,6 +952,13 @@ class TritonBackend(Backend):
                     and not self._timed_graph_failed):
                 with torch.inference_mode():
                     self._capture_timed_graph()
+
+    def _apply_pdl(self) -> None:
+        # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
+        # its weights while the previous kernel finishes
+        from tritonchat.kernels import gemv as gemv_mod
+        gemv_mod.USE_PDL = self.options.pdl
+        gemv_mod.PDL_EARLY = self.options.pdl_early
 
     def set_max_context(self, n: int) -> None:
         self._drain()

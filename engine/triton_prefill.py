@@ -7,8 +7,7 @@ previous chunk left), which bounds the activation memory; buffers are allocated 
 `backend.prefill_kernels = False` switches to the PyTorch reference model on the same device,
 over views of the same merged weights and the same state tensors.
 
-Prefill CUDA graphs (`backend.prefill_graph`, on by default on CUDA; TRITONCHAT_PREFILL_GRAPH=0
-switches them off): up to ~230 kernel launches make a short prompt's prefill cost the host
+Prefill CUDA graphs (`EngineOptions.prefill_graph`, on by default on CUDA): up to ~230 kernel launches make a short prompt's prefill cost the host
 9-16 ms, more than the GPU work. A prompt of up to GRAPH_MAX_T tokens instead runs padded to a
 bucket length B (a multiple of 64, of 256 past 1,024) as one captured graph per bucket,
 replayed for every later prompt of that bucket, whatever its length and its start position. The padding is made inert: pad rows read
@@ -20,7 +19,6 @@ of a bucket runs the padded path eagerly (compiling what it needs) and then capt
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Optional
 
@@ -38,12 +36,6 @@ def graph_bucket(T: int) -> Optional[int]:
         return None
     step = 64 if T <= 1024 else 256
     return -(-T // step) * step
-
-
-def prefill_graph_enabled(device: torch.device) -> bool:
-    """Prefill graphs are on for CUDA devices unless TRITONCHAT_PREFILL_GRAPH=0 (measured on the
-    H200: TTFT at 128 tokens 9.2 -> 2.8 ms, and a slow host no longer lengthens it)."""
-    return device.type == "cuda" and os.environ.get("TRITONCHAT_PREFILL_GRAPH", "1") != "0"
 
 
 class PrefillGraphs:

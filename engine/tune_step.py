@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from tritonchat.kernels import sampling as S
     from tritonchat.kernels.tune_decode import lm_head_persistent_candidates
 
-    from .api import EngineOptions, SamplingParams
+    from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
     from .loader import random_backend
 

@@ -87,7 +87,7 @@ def params_list(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
 
 
 def params_from_sampling(sp) -> list[float]:
-    """params_list from an engine.api.SamplingParams."""
+    """params_list from an engine.options.SamplingParams."""
     return params_list(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
                        sp.repetition_penalty, sp.is_greedy)
 

@@ -8,7 +8,7 @@ import pytest
 from tritonchat.app.settings import (DEFAULT_CONTEXT, DEFAULT_MAX_NEW_TOKENS, ChatSettings,
                                      load_settings, open_settings, save_settings)
 from tritonchat.app.settings_dialog import SettingsDialog
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 
 MODEL = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
                        repetition_penalty=1.0)

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from tritonchat.app.worker import EngineClient, EngineWorker, GenerateRequest, error_kind
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 from tritonchat.engine.errors import BackendUnavailableError, ContextFullError
 
 

@@ -142,16 +142,19 @@ def test_triton_backend_on_cpu_under_the_interpreter(model_dir):
                  env={"TRITON_INTERPRET": "0"}), "Triton")
 
 
-def test_engine_switches_reach_the_options():
-    """--split-k, --graph, --l2-state, --context-ranges and --launch-cache become the engine
-    options (defaults on); the bench takes the same switches."""
-    from tritonchat.engine.cli import _options, build_parser
+def test_every_engine_switch_is_a_flag_of_generate_chat_and_bench():
+    """Each switch of EngineOptions is a --flag on|off of generate, chat and bench (generated from
+    the dataclass), and reaches the options; unset flags keep the dataclass defaults."""
+    from tritonchat.engine.cli import build_parser, engine_options
+    from tritonchat.engine.options import EngineOptions, switch_fields
     p = build_parser()
-    on = _options(p.parse_args(["generate", "--device", "cpu", "--prompt", "hi"]))
-    assert on.split_k and on.graph and on.l2_state and on.context_ranges and on.launch_cache
-    off = _options(p.parse_args(["generate", "--device", "cpu", "--split-k", "off", "--graph", "off",
-                                 "--l2-state", "off", "--context-ranges", "off", "--launch-cache", "off",
-                                 "--prompt", "hi"]))
-    assert not (off.split_k or off.graph or off.l2_state or off.context_ranges or off.launch_cache)
-    b = p.parse_args(["bench", "--context-ranges", "off", "--l2-state", "off", "--launch-cache", "off"])
-    assert b.context_ranges == "off" and b.l2_state == "off" and b.launch_cache == "off"
+    names = [f.name for f in switch_fields()]
+    assert {"split_k", "graph", "pdl", "pdl_early", "l2_state", "context_ranges", "launch_cache",
+            "prefill_graph", "timing"} <= set(names)
+    default = engine_options(p.parse_args(["generate", "--device", "cpu", "--prompt", "hi"]))
+    assert all(getattr(default, n) == getattr(EngineOptions(), n) for n in names)
+    for cmd in (["generate", "--prompt", "hi"], ["chat"], ["bench"]):
+        flipped = [a for n in names for a in ("--" + n.replace("_", "-"),
+                                               "off" if getattr(EngineOptions(), n) else "on")]
+        opts = engine_options(p.parse_args(cmd[:1] + ["--device", "cpu"] + flipped + cmd[1:]))
+        assert all(getattr(opts, n) != getattr(EngineOptions(), n) for n in names), cmd

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams
 from tritonchat.engine.errors import ContextFullError
 from tritonchat.engine.generation import Generator
 from tritonchat.engine.session import ChatSession

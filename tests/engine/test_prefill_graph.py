@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams
 from tritonchat.engine.config import load_config
 from tritonchat.engine.reference import torch_dtype
 from tritonchat.engine.triton_prefill import GRAPH_MAX_T, graph_bucket

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import load_hf_model, make_tiny_checkpoint
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams
 from tritonchat.engine.config import load_config
 from tritonchat.engine.generation import Generator
 from tritonchat.engine.reference import ReferenceBackend

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 from tritonchat.engine.sampling import TokenHistory, filtered_probs, processed_logits, sample_next
 
 V = 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tritonchat.engine.api import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, SamplingParams
 from tritonchat.engine.config import load_config
 from tritonchat.engine.generation import Generator
 from tritonchat.engine.reference import ReferenceBackend, torch_dtype

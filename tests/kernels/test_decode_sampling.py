@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tritonchat.engine.api import SamplingParams
+from tritonchat.engine.options import SamplingParams
 from tritonchat.kernels.reference import (lm_head_argmax_ref, penalized_logits_ref,
                                           sample_from_logits_ref)
 from tritonchat.kernels.sampling import (build_counts, lm_head_argmax, lm_head_partials_numel,
