@@ -201,6 +201,7 @@ def cmd_chat(args) -> int:
     params = _sampling(args, session.generation_defaults)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", file=sys.stderr)
+    _tolerant_stdin()
     while True:
         try:
             line = input("\n> ")
@@ -210,8 +211,12 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:
             print()
             return 0
+        except UnicodeDecodeError:  # a strict terminal encoding and bytes that are not UTF-8
+            print("That line is not valid UTF-8 text, so it was not sent; type it again.", file=sys.stderr)
+            continue
         if not line.strip():
             continue
+        line = _repaired_line(line)
         if line.strip() == "/quit":
             return 0
         if line.strip() == "/reset":
@@ -258,6 +263,25 @@ def cmd_chat(args) -> int:
         if reply.thinking:
             msg["reasoning_content"] = reply.thinking
         messages.append(msg)
+
+
+def _tolerant_stdin() -> None:
+    """Bytes that are not UTF-8 arrive as lone surrogates instead of ending input() with an error
+    (a strict terminal encoding would also throw away the rest of a piped input)."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):
+            pass
+
+
+def _repaired_line(line: str) -> str:
+    from .tokenizer import repair_text
+    fixed = repair_text(line)
+    if fixed != line:
+        print("Some characters of that line were not valid UTF-8; they are sent as \ufffd.", file=sys.stderr)
+    return fixed
 
 
 def cmd_bench(args) -> int:

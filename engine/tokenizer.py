@@ -10,6 +10,10 @@ splits the result at the special tokens that remain (they can only come from the
 the original characters back, and encodes each stretch of text with special-token matching off.
 For ordinary text this is exactly what encoding the whole rendered prompt gives, because
 `tokenizers` also cuts the text at added tokens before pre-tokenising each stretch on its own.
+
+Text that is not valid Unicode (lone UTF-16 surrogates from a paste, or bytes a terminal could not
+decode) is repaired in the one encode path every caller goes through: a surrogate pair becomes its
+character and a lone surrogate becomes U+FFFD, so `tokenizers` never sees a string it rejects.
 """
 from __future__ import annotations
 
@@ -30,6 +34,16 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 # What a lossy UTF-8 decode puts where a character is incomplete (or invalid).
 REPLACEMENT_CHAR = "\ufffd"
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def repair_text(text: str) -> str:
+    """text with surrogate pairs joined and lone surrogates replaced by U+FFFD (valid UTF-8)."""
+    if not _SURROGATE_RE.search(text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
 
 # Private-use code points that stand in for special-token text inside message contents while the
 # template renders. _ESCAPE starts every placeholder; it also escapes itself, so any input maps
@@ -246,7 +260,8 @@ class ChatTokenizer:
         return self._encode_pieces(text, restore=False)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # The one place text reaches tokenizers: repair what is not valid Unicode here.
+        return self._tok.encode(repair_text(text), add_special_tokens=False).ids
 
     def _encode_pieces(self, text: str, *, restore: bool) -> list[int]:
         """Special tokens in `text` become their ids, the text between them is encoded plainly.
