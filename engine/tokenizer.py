@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from tokenizers import Tokenizer
 
 from . import chat_template
-from .errors import ModelFilesError
+from .errors import ModelFilesError, TritonChatError
 from .thinking import THINK_CLOSE, THINK_OPEN
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -247,14 +247,33 @@ class ChatTokenizer:
         return list(values)
 
     def _stop_ids_from(self, generation_config: Mapping, eos_id: int) -> list[int]:
+        """generation_config.json's eos_token_id when it names any (what transformers stops on),
+        else the template's end-of-turn tokens (the tokenizer's eos token and the added token the
+        template writes right after an assistant message)."""
+        ids = self._eos_ids_of(generation_config) or [eos_id] + self._template_end_ids()
         stop: list[int] = []
-        for i in self._eos_ids_of(generation_config) + [eos_id]:
+        for i in ids:
             if i >= self.vocab_size:
                 raise ModelFilesError(f"The eos_token_id {i} in {GENERATION_CONFIG_FILE} is "
                                       f"outside the tokenizer's {self.vocab_size} ids.")
             if i not in stop:
                 stop.append(i)
         return stop
+
+    def _template_end_ids(self) -> list[int]:
+        if self._template_source is None or self._special_re is None:
+            return []
+        marker = "\U000F7777"  # a private-use character no template writes by itself
+        try:
+            text = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
+                                False, False, None)
+        except TritonChatError:
+            return []  # a template that cannot render is reported when the chat starts
+        at = text.rfind(marker)
+        if at < 0:
+            return []
+        match = self._special_re.match(text[at + len(marker):].lstrip())
+        return [self._added[match.group(0)]] if match else []
 
     # ------------------------------------------------------------------ tokens
 

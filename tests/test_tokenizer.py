@@ -120,9 +120,11 @@ def test_stop_ids_and_eos(folder, tok):
     assert tok.generation_config["top_k"] == 20
 
 
+# generation_config.json's eos_token_id wins whole when present (what transformers stops on);
+# without it, the template's end-of-turn token (and the tokenizer's eos token).
 @pytest.mark.parametrize("eos_field, expected", [
     (None, ["<|im_end|>"]),                                   # no generation_config.json
-    ("<|endoftext|>", ["<|endoftext|>", "<|im_end|>"]),       # a single int
+    ("<|endoftext|>", ["<|endoftext|>"]),                     # a single int
     (["<|im_end|>", "<|im_end|>"], ["<|im_end|>"]),           # duplicates collapse
     (["<|endoftext|>", "<|im_end|>", "<|box_end|>"], ["<|endoftext|>", "<|im_end|>", "<|box_end|>"]),
 ])
@@ -137,6 +139,19 @@ def test_stop_ids_variants(folder, tmp_path, eos_field, expected):
     t = ChatTokenizer.from_dir(path)
     assert t.stop_ids == [special[n] for n in expected]
     assert t.generation_config == ({} if eos_field is None else {"eos_token_id": value})
+
+
+def test_stop_ids_without_generation_config_are_the_templates_end_tokens(folder, tmp_path):
+    # #58.12: the tokenizer's eos token and the token the template closes an assistant turn with
+    path = _copy(folder, tmp_path)
+    special = folder[1]["special"]
+    (path / "generation_config.json").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|endoftext|>"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTokenizer.from_dir(path).stop_ids == [special["<|endoftext|>"], special["<|im_end|>"]]
+    write_generation_config(path, special)     # present: its eos_token_id list, in its order
+    assert ChatTokenizer.from_dir(path).stop_ids == [special["<|im_end|>"], special["<|endoftext|>"]]
 
 
 def test_eos_falls_back_to_generation_config(folder, tmp_path):

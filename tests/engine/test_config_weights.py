@@ -141,3 +141,22 @@ def test_missing_tensor(tmp_path):
     del t["model.language_model.layers.1.linear_attn.A_log"]
     save_file(t, str(p / "model.safetensors"))
     _raises(lambda: load_weights(p, load_config(p)), "A_log")
+
+
+@pytest.mark.parametrize("top, text, expected", [
+    (False, True, False), (True, False, True),      # both present: the top level wins, as in transformers
+    (None, True, True), (None, False, False), (None, None, False), (True, None, True),
+])
+def test_tie_word_embeddings_precedence(top, text, expected):
+    """#58.12: what transformers' Qwen3_5Config (the model's config) decides."""
+    from tests.fixtures.checkpoints import TINY_TEXT
+    raw_text = {k: v for k, v in TINY_TEXT.items() if k != "tie_word_embeddings"}
+    if text is not None:
+        raw_text["tie_word_embeddings"] = text
+    raw = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": raw_text}
+    if top is not None:
+        raw["tie_word_embeddings"] = top
+    assert parse_config(raw).tie_word_embeddings is expected
+    if top is not None:
+        from transformers import Qwen3_5Config
+        assert Qwen3_5Config(**{k: v for k, v in raw.items() if k != "architectures"}).tie_word_embeddings is expected
