@@ -118,10 +118,10 @@ class DownloadDialog(QDialog):
     the model folder), Rejected on Cancel or when the user gives up after a failure.
     """
 
-    def __init__(self, repo_id: str, revision: str = "main", cache_dir=None, parent=None):
+    def __init__(self, repo_id: str, revision: str | None = None, cache_dir=None, parent=None):
         super().__init__(parent)
         self.repo_id = repo_id
-        self.revision = revision
+        self.revision = revision or getattr(_hub(), "DEFAULT_REVISION", "main")
         self.cache_dir = cache_dir
         self.result_dir: Path | None = None
         self.plan = None                  # hub.DownloadPlan once planning succeeded

@@ -53,6 +53,10 @@ from typing import Callable, Optional
 from .errors import DownloadError
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
+# The one place the model revision is pinned. It should be the commit the engine was tested on; no
+# machine here could reach the hub to look that commit up, so it is still the branch main (an
+# unpinned download). Put the 40-hex commit here: downloads, the cache lookup and the GUI all follow.
+DEFAULT_REVISION = "main"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 # What the text model needs, matched against top-level repo paths (fnmatch, case-sensitive).
@@ -65,9 +69,10 @@ TEXT_MODEL_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
-    "vocab.json",
+    "vocab.json",  # only without tokenizer.json (the engine reads tokenizer.json when it is there)
     "merges.txt",
 )
+_SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _ETAG_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # git blob id or sha256: safe as a file name
@@ -133,16 +138,15 @@ def _expand(path: str) -> Path:
 
 
 def model_cache_dir() -> Path:
-    """The hub cache we download into: HF_HUB_CACHE, else HF_HOME/hub, else the user cache dir."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return _expand(os.environ["HF_HUB_CACHE"])
+    """The Hugging Face hub cache, found as huggingface_hub finds it, so that either side reuses the
+    other's downloads: HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return _expand(os.environ[var])
     if os.environ.get("HF_HOME"):
         return _expand(os.environ["HF_HOME"]) / "hub"
-    try:
-        import platformdirs  # lazy: absent on the GPU box, where the fallback below is right anyway
-    except ImportError:
-        return Path.home() / ".cache" / "tritonchat" / "hub"
-    return Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
+    return _huggingface_default_cache()
 
 
 def _huggingface_default_cache() -> Path:
@@ -151,11 +155,22 @@ def _huggingface_default_cache() -> Path:
     return _expand(base) / "huggingface" / "hub"
 
 
+def _legacy_cache() -> Optional[Path]:
+    """Where tritonchat used to download (the platformdirs user cache): still searched, never written."""
+    try:
+        import platformdirs  # lazy: absent on the GPU box
+    except ImportError:
+        return Path.home() / ".cache" / "tritonchat" / "hub"
+    return Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
+
+
 def _search_caches() -> list[Path]:
-    """Our cache first, then huggingface_hub's default one (a model fetched by other tools)."""
+    """The hub cache first, then (no HF_* variable set) tritonchat's old cache folder."""
     caches = [model_cache_dir()]
-    if not (os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME")):
-        caches.append(_huggingface_default_cache())
+    if not any(os.environ.get(v) for v in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")):
+        legacy = _legacy_cache()
+        if legacy is not None and legacy not in caches:
+            caches.append(legacy)
     return caches
 
 
@@ -232,7 +247,7 @@ def _complete_snapshot(repo_dir: Path, revision: str) -> Optional[Path]:
     return None
 
 
-def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None) -> Optional[Path]:
+def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None) -> Optional[Path]:
     """The snapshot folder of a complete local copy of repo_id, or None. Never touches the network."""
     caches = [Path(cache_dir)] if cache_dir is not None else _search_caches()
     for cache in caches:
@@ -537,6 +552,8 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
                 raise _Failed(f"{indexes[0]} names {missing[0]} but the repository has no such file")
             # With an index, the weights are exactly the shards it names (a stray consolidated copy is skipped).
             names = sorted({n for n in names if not n.endswith(".safetensors")} | shards)
+        if "tokenizer.json" in names:
+            names = [n for n in names if n not in _SLOW_TOKENIZER_FILES]
         if "config.json" not in names:
             raise _Failed("the repository has no config.json")
         if not any(n.endswith(".safetensors") for n in names):
@@ -554,7 +571,7 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
     return DownloadPlan(repo_id, revision, files, total, have, dest, commit, etags, cache)
 
 
-def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None, *,
                   retry: Optional[RetryPolicy] = None) -> DownloadPlan:
     """Ask the hub what the text model's files are (names, sizes, sha256) and what is already here.
 
@@ -760,7 +777,7 @@ def resolve_model(model: str, *, offline: bool = False, progress: Optional[Calla
     """
     if is_local_dir(model):
         return Path(model).expanduser()  # existence is the loader's to check, with its own message
-    repo_id, revision = model, "main"
+    repo_id, revision = model, DEFAULT_REVISION
     found = local_model_dir(repo_id, revision)
     if found is not None:
         return found
@@ -823,7 +840,7 @@ class DownloadProcess:
     Single use: start() once; to retry or resume, make a new one (it continues the partial files).
     """
 
-    def __init__(self, repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+    def __init__(self, repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None, *,
                  retry: Optional[RetryPolicy] = None):
         self.repo_id, self.revision = repo_id, revision
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None

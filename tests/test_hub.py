@@ -32,7 +32,8 @@ from tritonchat.engine.hub import (
 )
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.02, stall_s=5.0)
-SKIPPED = {".gitattributes", "README.md", "LICENSE", "preprocessor_config.json", "video_preprocessor_config.json"}
+SKIPPED = {".gitattributes", "README.md", "LICENSE", "preprocessor_config.json", "video_preprocessor_config.json",
+           "vocab.json", "merges.txt"}  # the slow tokenizer's files: tokenizer.json is there
 REPO_DIR = "models--Qwen--Qwen3.5-0.8B"
 
 
@@ -72,6 +73,9 @@ def finished(events: list[DownloadProgress]) -> bool:
 
 
 def test_cache_dir_precedence(tmp_path, monkeypatch):
+    # #58.5: the Hugging Face hub cache, found exactly as huggingface_hub finds it
+    for var in ("HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hubcache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hfhome"))
     assert model_cache_dir() == tmp_path / "hubcache"
@@ -81,14 +85,17 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert model_cache_dir() == tmp_path / "home" / "somewhere" / "hub"
     monkeypatch.delenv("HF_HOME")
-    import platformdirs
-
-    assert model_cache_dir() == Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
-    if sys.platform.startswith("linux"):
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert model_cache_dir() == tmp_path / "xdg" / "tritonchat" / "hub"
-    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import platformdirs -> ImportError
-    assert model_cache_dir() == tmp_path / "home" / ".cache" / "tritonchat" / "hub"
+    assert model_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    code = "import huggingface_hub.constants as c; print(c.HF_HUB_CACHE)"
+    for env in ({}, {"HF_HOME": str(tmp_path / "hfhome")}, {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy")}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert Path(theirs.stdout.strip()) == model_cache_dir(), env
+        for k in env:
+            monkeypatch.delenv(k)
 
 
 def test_engine_hub_imports_without_qt_platformdirs_or_huggingface_hub():
@@ -97,12 +104,14 @@ def test_engine_hub_imports_without_qt_platformdirs_or_huggingface_hub():
         "for name in ('platformdirs', 'PySide6', 'huggingface_hub', 'filelock'):\n"
         "    sys.modules[name] = None\n"
         "import tritonchat.engine.hub as h\n"
-        "print(h.model_cache_dir())\n"
+        "print(h.model_cache_dir(), h._search_caches()[-1])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(Path.home() / ".cache" / "tritonchat" / "hub")
+    home = Path.home() / ".cache"
+    assert out.stdout.split() == [str(home / "huggingface" / "hub"), str(home / "tritonchat" / "hub")]
 
 
 @pytest.mark.parametrize("model, local", [
@@ -153,23 +162,49 @@ def test_local_model_dir_needs_every_file_the_loader_needs(hub_env):
     assert local_model_dir(revision=commit) == snapshot
     assert local_model_dir(revision="b" * 40) is None  # a pinned commit means that commit
     (snapshot / "tokenizer.json").unlink()
-    (snapshot / "vocab.json").unlink()
+    assert not (snapshot / "vocab.json").exists()
     assert local_model_dir() is None  # no tokenizer at all
 
 
-def test_local_model_dir_finds_manual_copies_and_the_huggingface_cache(hub_env, tmp_path, monkeypatch):
+def test_local_model_dir_finds_manual_copies_and_the_old_tritonchat_cache(hub_env, tmp_path, monkeypatch):
     files = text_files(fake_model_files(weights_bytes=64))
     manual = write_snapshot(hub_env.cache, "manual", files)  # the folder the error message names
     assert local_model_dir() == manual
     assert resolve_model(DEFAULT_MODEL, offline=True) == manual
-    # no HF_* variables: our platformdirs cache first, then huggingface_hub's default one
+    # no HF_* variables: the huggingface cache first, then where tritonchat used to download
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setitem(sys.modules, "platformdirs", None)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert local_model_dir() is None
+    ours_before = write_snapshot(tmp_path / "home" / ".cache" / "tritonchat" / "hub", "d" * 40, files, ref="d" * 40)
+    assert local_model_dir() == ours_before
     theirs = write_snapshot(tmp_path / "xdg" / "huggingface" / "hub", "c" * 40, files, ref="c" * 40)
     assert local_model_dir() == theirs
+
+
+def test_a_default_download_is_found_by_huggingface_hub(hub_env, tmp_path, monkeypatch):
+    # #58.5: no cache_dir anywhere: both sides read HF_HOME, and the layout is huggingface_hub's own
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hfhome"))
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    assert dest == tmp_path / "hfhome" / "hub" / REPO_DIR / "snapshots" / fake.commit
+    assert not (dest / "vocab.json").exists() and not (dest / "merges.txt").exists()
+    code = ("from huggingface_hub import snapshot_download; "
+            f"print(snapshot_download({DEFAULT_MODEL!r}, revision={hub.DEFAULT_REVISION!r}, local_files_only=True))")
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert theirs.returncode == 0, theirs.stderr
+    assert Path(theirs.stdout.strip()) == dest
+
+
+def test_the_revision_is_pinned_in_one_place():
+    import inspect
+    src = inspect.getsource(hub)
+    assert re.fullmatch(r"main|[0-9a-f]{40}", hub.DEFAULT_REVISION)
+    assert src.count('"main"') == 1   # the constant's own definition
+    for fn in (local_model_dir, plan_download, DownloadProcess.__init__):
+        assert inspect.signature(fn).parameters["revision"].default == hub.DEFAULT_REVISION
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,7 +325,8 @@ def test_a_cache_written_by_huggingface_hub_is_used(hub_env):
     count = len(fake.requests)
     assert resolve_model(DEFAULT_MODEL) == Path(theirs)
     assert len(fake.requests) == count
-    assert_snapshot(Path(theirs), text_files(files))
+    slow = {n: files[n] for n in ("vocab.json", "merges.txt")}  # their pattern list takes these too
+    assert_snapshot(Path(theirs), {**text_files(files), **slow})
 
 
 def test_retry_after_a_dropped_connection_resumes_mid_file(hub_env):
