@@ -488,9 +488,60 @@ def test_a_full_disk_is_one_sentence(hub_env, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(hub, "_fetch_once", no_space)
-    with pytest.raises(DownloadError, match=rf"\(the disk holding {re.escape(str(hub_env.cache))} is full\)") as e:
+    with pytest.raises(DownloadError, match=rf"^The disk holding {re.escape(str(hub_env.cache))} has .* free but "
+                                            r"the model needs .* more; free some space, or choose another folder "
+                                            r"with HF_HUB_CACHE") as e:
         resolve_model(DEFAULT_MODEL, retry=FAST)
     assert one_sentence(str(e.value)) and "No space left" in e.value.details
+
+
+def test_too_little_free_space_is_said_before_the_download(hub_env, monkeypatch):
+    # #61.2: checked with shutil.disk_usage before the first byte; the sentence says how much is needed
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 16))
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: shutil_usage(total=10**9, used=10**9 - 1000, free=1000))
+    with pytest.raises(DownloadError, match=r"has 1.0 kB free but the model needs 6\d\.\d kB more") as e:
+        resolve_model(DEFAULT_MODEL, retry=FAST)
+    assert one_sentence(str(e.value))
+    assert fake.served[SHARD] == 0               # the weights were not started
+
+
+def shutil_usage(**kw):
+    import collections
+    return collections.namedtuple("usage", "total used free")(**kw)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_is_one_sentence_naming_it(hub_env):
+    hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+    hub_env.cache.mkdir(parents=True)
+    hub_env.cache.chmod(0o500)
+    try:
+        with pytest.raises(DownloadError) as e:
+            resolve_model(DEFAULT_MODEL, retry=FAST)
+    finally:
+        hub_env.cache.chmod(0o700)
+    assert str(e.value).startswith(f"The model cache {hub_env.cache} cannot be written (permission denied); ")
+    assert "HF_HUB_CACHE" in str(e.value) and "--model DIR" in str(e.value) and one_sentence(str(e.value))
+
+
+@pytest.mark.parametrize("code, words", [(errno.EROFS, "read-only file system"), (errno.EACCES, "permission denied")])
+def test_an_unwritable_cache_is_one_sentence_in_the_cli_and_the_gui(hub_env, monkeypatch, code, words):
+    # #61.2: today "internal error (OSError: [Errno 30] ...)" in the CLI, "unexpected OSError" in the GUI
+    hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+
+    def refuse(folder):
+        raise OSError(code, os.strerror(code), str(folder))
+
+    monkeypatch.setattr(hub, "_check_writable", refuse)
+    with pytest.raises(DownloadError) as e:
+        resolve_model(DEFAULT_MODEL, retry=FAST)
+    sentence = str(e.value)
+    assert sentence == (f"The model cache {hub_env.cache} cannot be written ({words}); choose another folder with "
+                        "HF_HUB_CACHE (or HF_HOME), or pass --model DIR with a folder holding the model.")
+    events: list[DownloadProgress] = []
+    with pytest.raises(DownloadError):
+        hub.download(plan_download(retry=FAST), progress=events.append, retry=FAST)
+    assert events[-1].stage == "error" and events[-1].message == sentence
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,3 +719,83 @@ def test_fake_hub_speaks_enough_hub_for_huggingface_hub(tmp_path):
             hf_hub_download(fake.repo_id, "nope.json", cache_dir=tmp_path, endpoint=fake.endpoint, token=False)
         index = json.loads(files["model.safetensors.index.json"])
         assert set(index["weight_map"].values()) == {SHARD}
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification records and repair (#61.1)
+
+
+def _flip(path: Path, at: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_file_is_recorded_once_verified(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    stamp = json.loads((hub_env.cache / REPO_DIR / ".tritonchat" / f"verified-{fake.commit}.json").read_text())
+    assert set(stamp["files"]) == set(text_files(files))
+    for name, entry in stamp["files"].items():
+        assert entry["size"] == len(files[name]) and entry["sha256"] == fake.sha256[name]
+        assert entry["mtime_ns"] == (dest / name).stat().st_mtime_ns and entry["verified_at"].endswith("Z")
+    assert all(c.status == "ok" for c in hub.check_snapshot(dest, full=True))
+    from huggingface_hub import scan_cache_dir
+    assert scan_cache_dir(hub_env.cache).repos  # the record does not upset huggingface_hub's cache scan
+
+
+@pytest.mark.parametrize("name, damage", [(SHARD, "flip"), (SHARD, "truncate"), ("tokenizer.json", "flip")])
+def test_a_damaged_file_is_caught_and_download_again_replaces_it(hub_env, name, damage):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    blob = (dest / name).resolve()
+    if damage == "flip":
+        _flip(blob)                   # same size: today skipped as "already downloaded"
+    else:
+        blob.write_bytes(files[name][:-10])
+    assert [c.name for c in hub.damaged_files(dest)] == [name]
+    assert local_model_dir() is None             # not offered to the loader as a good copy
+    with pytest.raises(DownloadError, match=rf"^{re.escape(name)} in .* is damaged .*; go online to download it again") as e:
+        resolve_model(DEFAULT_MODEL, offline=True)
+    assert one_sentence(str(e.value))
+    served = fake.served[name]
+    events: list[DownloadProgress] = []
+    assert resolve_model(DEFAULT_MODEL, retry=FAST, progress=events.append) == dest
+    assert (dest / name).read_bytes() == files[name]
+    assert fake.served[name] == 2 * served       # fetched again, whole
+    assert any("damaged" in e.message for e in events if e.stage == "retry")
+    assert events[-1].stage == "done"
+    assert not hub.damaged_files(dest)
+
+
+def test_a_blob_another_tool_wrote_is_hashed_once_before_it_is_trusted(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    from huggingface_hub import snapshot_download
+    theirs = Path(snapshot_download(DEFAULT_MODEL, cache_dir=hub_env.cache, endpoint=fake.endpoint,
+                                    allow_patterns=list(TEXT_MODEL_FILES)))
+    _flip((theirs / SHARD).resolve())
+    checks = {c.name: c for c in hub.check_snapshot(theirs, full=True)}   # hub blob names are hashes
+    assert checks[SHARD].status == "damaged" and checks["config.json"].status == "ok"
+    plan = plan_download(retry=FAST)
+    hub.download(plan, retry=FAST)
+    assert (theirs / SHARD).read_bytes() == files[SHARD]
+
+
+def test_the_quick_check_trusts_the_record_and_the_full_check_hashes(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    blob = (dest / SHARD).resolve()
+    st = blob.stat()
+    _flip(blob)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))     # damage that keeps size and mtime
+    assert not hub.damaged_files(dest)
+    assert [c.name for c in hub.check_snapshot(dest, full=True) if c.status == "damaged"] == [SHARD]
+    os.utime(blob, None)                                     # a touched but intact file: hashed, then recorded again
+    blob.write_bytes(files[SHARD])
+    assert not hub.damaged_files(dest)
+    stamp = json.loads(next((hub_env.cache / REPO_DIR / ".tritonchat").glob("verified-*.json")).read_text())
+    assert stamp["files"][SHARD]["mtime_ns"] == blob.stat().st_mtime_ns
