@@ -160,3 +160,31 @@ def test_tie_word_embeddings_precedence(top, text, expected):
     if top is not None:
         from transformers import Qwen3_5Config
         assert Qwen3_5Config(**{k: v for k, v in raw.items() if k != "architectures"}).tie_word_embeddings is expected
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_tensor_is_one_sentence_naming_it(tmp_path, value):
+    """#61.1: a local folder with no download record, damaged in a tensor the old check skipped."""
+    from safetensors.torch import load_file, save_file
+    p = make_tiny_checkpoint(tmp_path, with_tokenizer=False)
+    t = load_file(str(p / "model.safetensors"))
+    key = "model.language_model.layers.2.mlp.down_proj.weight"
+    t[key][3, 5] = value
+    save_file(t, str(p / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFilesError) as e:
+        load_weights(p, load_config(p), dtype=torch.bfloat16)
+    msg = str(e.value)
+    assert key in msg and "NaN or infinite" in msg and "\n" not in msg and msg.count(". ") == 0
+
+
+def test_first_non_finite_is_exact_and_cheap():
+    import time
+    from tritonchat.engine.weights import first_non_finite
+    ts = {f"w{k}": torch.randn(1 << 16).to(torch.bfloat16 if k % 2 else torch.float32) for k in range(64)}
+    assert first_non_finite(ts) is None
+    ts["w41"][7] = float("nan")
+    assert first_non_finite(ts) == "w41"
+    big = {"e": torch.randn(1 << 24, dtype=torch.bfloat16)}      # 16M values: the 0.8B embedding is 254M
+    start = time.perf_counter()
+    assert first_non_finite(big) is None
+    assert time.perf_counter() - start < 0.5
