@@ -1,4 +1,4 @@
-"""`tritonchat` command line: generate, chat, bench, install-desktop; no sub-command opens the app.
+"""`tritonchat` command line: generate, chat, bench, verify, install-desktop; no sub-command opens the app.
 
 Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
 """
@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
     b.add_argument("--json", action="store_true")
     b.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    v = sub.add_parser("verify", help="hash every model file against its download record; check every tensor")
+    v.add_argument("--model", default=None, help="model folder or hub id (default Qwen/Qwen3.5-0.8B)")
+    v.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     d = sub.add_parser("install-desktop", help="install the .desktop file and icons for this user")
     d.add_argument("--uninstall", action="store_true")
@@ -289,6 +293,62 @@ def cmd_bench(args) -> int:
     return run_bench(args, engine_options(args))
 
 
+def cmd_verify(args) -> int:
+    """Per file: ok / damaged / unchecked; every tensor checked for NaN/inf. Exit 1 when damaged."""
+    from pathlib import Path
+    from . import hub
+    model = args.model or hub.DEFAULT_MODEL
+    if hub.is_local_dir(model):
+        folder = Path(model).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"The model folder {folder} does not exist.")
+    else:
+        found = hub.local_model_dir(model) or (hub._damaged_snapshot(model, hub.DEFAULT_REVISION) or (None,))[0]
+        if found is None:
+            raise UsageError(f"{model} is not downloaded; run tritonchat once to download it, or pass --model DIR.")
+        folder = found
+    print(f"Checking {folder}")
+    damaged = 0
+    for c in hub.check_snapshot(folder, full=True):
+        label = {"ok": "ok", "damaged": "DAMAGED", "unverified": "unchecked"}[c.status]
+        damaged += c.status == "damaged"
+        print(f"  {label:<9} {c.name}" + (f" ({c.detail})" if c.status != "ok" else ""))
+    damaged += _verify_tensors(folder)
+    if damaged:
+        print(f"{damaged} damaged; download the model again (tritonchat replaces damaged files), "
+              "or replace them by hand.", file=sys.stderr)
+        return 1
+    print("All files are intact.")
+    return 0
+
+
+def _verify_tensors(folder) -> int:
+    from .errors import ModelFilesError
+    from .weights import _open, first_non_finite, weight_files
+    bad = 0
+    try:
+        files = weight_files(folder)
+    except ModelFilesError as e:
+        print(f"  DAMAGED   weights ({e})")
+        return 1
+    for path in files:
+        try:
+            f = _open(path, "cpu")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # a truncated file: safetensors' own errors
+            print(f"  DAMAGED   {path.name}: tensors cannot be read ({str(e).splitlines()[0][:100]})")
+            bad += 1
+            continue
+        floats = {k: t for k, t in tensors.items() if t.is_floating_point()}
+        key = first_non_finite(floats)
+        if key is None:
+            print(f"  ok        {path.name}: {len(floats)} tensors, all finite")
+        else:
+            print(f"  DAMAGED   {path.name}: the tensor '{key}' holds NaN or infinite values")
+            bad += 1
+    return bad
+
+
 def cmd_install_desktop(args) -> int:
     from tritonchat.app.desktop_install import install, uninstall
     if args.uninstall:
@@ -309,7 +369,7 @@ def cmd_app(args) -> int:
     return app_main(argv)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "verify": cmd_verify,
             "install-desktop": cmd_install_desktop, None: cmd_app}
 
 
