@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QPlainT
                                QVBoxLayout, QWidget)
 
 from .markdown import COPY_SCHEME, RenderStyle, render_markdown, render_plain
+from .stats_text import stats_line as format_stats  # noqa: F401  (one formatter for every place)
+from .stats_text import stats_tooltip
 
 RENDER_INTERVAL_MS = 50          # the streaming message re-renders at most this often
 # A re-render parses the whole answer again (~2 ms per 1,000 words), holding the GIL the engine
@@ -28,71 +30,6 @@ RENDER_COST_FACTOR = 8
 RENDER_MAX_INTERVAL_MS = 1000
 STICKY_PX = 24                   # "at the bottom" tolerance for auto-scroll
 
-_STOP_REASONS = {"eos": "finished", "max_tokens": "max tokens", "context_full": "context full",
-                 "stopped": "stopped", "error": "error"}
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def format_stats(stats: dict | None) -> str:
-    """The line under an answer: speeds, tokens, why it stopped and the engine flags."""
-    if not stats:
-        return ""
-    s = dict(stats)
-    parts = []
-    if s.get("ttft_ms"):
-        parts.append(f"TTFT {float(s['ttft_ms']):,.0f} ms")
-    if s.get("prefill_tok_s"):
-        parts.append(f"prefill {float(s['prefill_tok_s']):,.0f} tok/s")
-    if s.get("decode_tok_s"):
-        parts.append(f"decode {float(s['decode_tok_s']):,.1f} tok/s")
-    if s.get("new_tokens") is not None:
-        n = int(s["new_tokens"])
-        parts.append(f"{n:,} token" + ("" if n == 1 else "s"))
-    if s.get("stop_reason"):
-        parts.append(_STOP_REASONS.get(s["stop_reason"], str(s["stop_reason"])))
-    flags = []
-    if s.get("backend"):
-        flags.append(str(s["backend"]))
-    if s.get("dtype"):
-        flags.append(_DTYPES.get(s["dtype"], str(s["dtype"])))
-    if s.get("backend") == "triton":
-        for key, name in (("split_k", "split-K"), ("graph", "graph"), ("l2_state", "L2 states"),
-                          ("context_ranges", "context ranges")):
-            if key in s:
-                flags.append(f"{name} {'on' if s[key] else 'off'}")
-        if "launch_cache" in s and s.get("graph") is False:        # it acts only without the graph
-            flags.append(f"launch cache {'on' if s['launch_cache'] else 'off'}")
-    if flags:
-        parts.append(" ".join(flags))
-    return "  \u00b7  ".join(parts)
-
-
-def stats_tooltip(stats: dict | None) -> str:
-    if not stats:
-        return ""
-    rows = [("Prompt tokens", "prompt_tokens", "{:,}"), ("Reused from cache", "cached_tokens", "{:,}"),
-            ("New tokens", "new_tokens", "{:,}"), ("Time to first token", "ttft_ms", "{:,.1f} ms"),
-            ("Prefill", "prefill_tok_s", "{:,.1f} tok/s"), ("Decode", "decode_tok_s", "{:,.2f} tok/s"),
-            ("Per token", "decode_ms_per_token", "{:,.2f} ms"), ("Total", "total_ms", "{:,.0f} ms"),
-            ("Thinking", "thinking_seconds", "{:,.1f} s"), ("Stop reason", "stop_reason", "{}"),
-            ("Backend", "backend", "{}"), ("Device", "device", "{}"), ("Dtype", "dtype", "{}"),
-            ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
-            ("GDN states in L2", "l2_state", "{}"), ("Context-range plans", "context_ranges", "{}"),
-            ("Launch cache (graph off)", "launch_cache", "{}"),
-            ("Context", "max_context", "{:,} tokens")]
-    # the switches act on the Triton backend only (the reference one reports its options unused)
-    switches = ({"split_k", "graph", "l2_state", "context_ranges", "launch_cache"}
-                if stats.get("backend") not in (None, "triton") else set())
-    lines = []
-    for label, key, fmt in rows:
-        if key in switches:
-            continue
-        if stats.get(key) is not None and stats.get(key) != "":
-            try:
-                lines.append(f"{label}: {fmt.format(stats[key])}")
-            except (ValueError, TypeError):
-                lines.append(f"{label}: {stats[key]}")
-    return "\n".join(lines)
 
 
 class RichText(QTextBrowser):

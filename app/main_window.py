@@ -30,6 +30,7 @@ from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
 from .settings import ChatSettings, load_settings, save_settings
 from .settings_dialog import SettingsDialog
+from .stats_text import engine_label
 from .store import ChatStore
 from .timing_panel import TimingPanel
 from .worker import EngineClient, GenerateRequest, SessionLoader
@@ -392,24 +393,10 @@ class MainWindow(QMainWindow):
         self.banner.show_message(text, details)
 
     def _update_engine_label(self) -> None:
-        o = self.engine_options
-        if not o:
-            return
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(o.get("dtype"), o.get("dtype"))
-        device = self.capabilities.get("device_name") or o.get("device", "")
-        parts = [f"{o.get('backend', '?')} backend", str(device), str(dtype),
-                 f"context {int(o.get('max_context', 0)):,}"]
-        if o.get("backend") == "triton":
-            parts += [f"split-K {'on' if o.get('split_k') else 'off'}",
-                      f"CUDA Graph {'on' if o.get('graph') else 'off'}"]
-            if "l2_state" in o:
-                parts.append(f"L2 states {'on' if o['l2_state'] else 'off'}")
-            if "context_ranges" in o:
-                parts.append(f"context ranges {'on' if o['context_ranges'] else 'off'}")
-            if "launch_cache" in o and not o.get("graph"):     # it acts only without the graph
-                parts.append(f"launch cache {'on' if o['launch_cache'] else 'off'}")
         name = Path(self.model_dir).name if self.model_dir else ""
-        self.engine_label.setText(" \u00b7 ".join(p for p in [name] + parts if p))
+        text = engine_label(self.engine_options, self.capabilities.get("device_name") or "", name)
+        if text:
+            self.engine_label.setText(text)
 
     # ================================================================== conversations
     def refresh_conversations(self) -> None:

@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 from tritonchat.engine.errors import TritonChatError
 
+from .stats_text import stats_line
+
 ROLES = ("system", "user", "assistant")
 DEFAULT_TITLE = "New chat"
 EXPORT_FORMAT = "tritonchat-chat-v1"
@@ -344,37 +346,3 @@ class ChatStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def stats_line(stats: dict | None) -> str:
-    """One line summarising a run: speeds, tokens, stop reason and the engine flags it ran with.
-
-    Accepts GenerationResult.to_dict()-style flat dicts and {"...stats", "engine": {...}} nests.
-    """
-    if not stats:
-        return ""
-    flat = dict(stats)
-    if isinstance(flat.get("engine"), dict):
-        flat = {**flat.pop("engine"), **flat}
-    items: list[str] = []
-    if flat.get("ttft_ms") is not None:
-        items.append(f"TTFT {float(flat['ttft_ms']):.0f} ms")
-    if flat.get("prefill_tok_s"):
-        items.append(f"prefill {float(flat['prefill_tok_s']):.0f} tok/s")
-    if flat.get("decode_tok_s"):
-        items.append(f"decode {float(flat['decode_tok_s']):.1f} tok/s")
-    if flat.get("new_tokens") is not None:
-        items.append(f"{int(flat['new_tokens'])} tokens")
-    if flat.get("stop_reason"):
-        items.append(f"stop: {flat['stop_reason']}")
-    if flat.get("backend"):
-        items.append(str(flat["backend"]))
-    # the switches act on the Triton backend only (the reference one reports its options unused)
-    if flat.get("backend") in (None, "triton"):
-        for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states"),
-                          ("context_ranges", "context ranges")):
-            if key in flat:
-                items.append(f"{name} {'on' if flat[key] else 'off'}")
-        if "launch_cache" in flat and flat.get("graph") is False:    # it acts only without the graph
-            items.append(f"launch cache {'on' if flat['launch_cache'] else 'off'}")
-    return " · ".join(items)

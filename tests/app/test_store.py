@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tritonchat.app.store import (EXPORT_FORMAT, SCHEMA_VERSION, ChatStore, ChatStoreError,
-                                  stats_line)
+from tritonchat.app.stats_text import stats_line
+from tritonchat.app.store import EXPORT_FORMAT, SCHEMA_VERSION, ChatStore, ChatStoreError
 
 STATS = {"ttft_ms": 41.7, "prefill_tok_s": 5120.0, "decode_tok_s": 211.25, "new_tokens": 37,
          "stop_reason": "eos", "engine": {"backend": "triton", "split_k": True, "graph": False}}
@@ -353,29 +353,10 @@ def test_export_markdown(store: ChatStore):
     assert "It scatters." in md[start:end]
     assert md.count("</details>") == 1
     assert "```python\nprint('blue')\n```" in md
-    assert "*TTFT 42 ms · prefill 5120 tok/s · decode 211.2 tok/s · 37 tokens · stop: eos · " \
-           "triton · split-K on · CUDA Graph off*" in md
+    assert f"*{stats_line(STATS)}*" in md            # the chat view's line, word for word
+    assert "*TTFT 42 ms  ·  prefill 5,120 tok/s  ·  decode 211.2 tok/s  ·  37 tokens  ·  " \
+           "finished  ·  triton split-K on graph off*" in md
     assert md.endswith("\n")
-
-
-def test_stats_line_flat_and_empty():
-    assert stats_line(None) == ""
-    assert stats_line({}) == ""
-    flat = {"ttft_ms": 5.0, "decode_tok_s": 0.0, "new_tokens": 0, "stop_reason": "stopped",
-            "split_k": False, "graph": True}
-    assert stats_line(flat) == "TTFT 5 ms · 0 tokens · stop: stopped · split-K off · CUDA Graph on"
-    assert stats_line(dict(flat, l2_state=True)).endswith("CUDA Graph on · L2 states on")
-    assert stats_line(dict(flat, l2_state=True, context_ranges=False)).endswith(
-        "L2 states on · context ranges off")
-    # the reference backend runs none of the Triton switches: its export does not claim them
-    # the launch cache acts only without the graph, and is named only then
-    assert "launch cache" not in stats_line(dict(flat, launch_cache=True))
-    assert stats_line(dict(flat, graph=False, launch_cache=True)).endswith(
-        "CUDA Graph off · launch cache on")
-    ref = dict(flat, backend="reference", l2_state=True, context_ranges=True, launch_cache=False)
-    assert stats_line(ref) == "TTFT 5 ms · 0 tokens · stop: stopped · reference"
-    assert stats_line(dict(ref, backend="triton")).endswith(
-        "triton · split-K off · CUDA Graph on · L2 states on · context ranges on")
 
 
 def test_default_path_under_user_data_dir(monkeypatch, tmp_path: Path):
