@@ -114,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- helpers ----
 
+def check_model_folder(model: Optional[str]) -> None:
+    """A --model written as a path must be a model folder: said at once, before torch or Qt load."""
+    from . import hub
+    if not model or not hub.is_local_dir(model):
+        return
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        raise UsageError(f"The model folder {model} does not exist.")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"{model} is not a model folder (it has no config.json).")
+
+
 def _model_dir(model: Optional[str], offline: bool):
     from . import hub
     return hub.resolve_model(model or hub.DEFAULT_MODEL, offline=offline, progress=hub.cli_progress_printer())
@@ -294,6 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("TRITONCHAT_DEBUG") == "1"
     try:
+        check_model_folder(getattr(args, "model", None) or getattr(args, "app_model", None))
         return COMMANDS[args.command](args)
     except TritonChatError as e:
         if debug:
