@@ -12,7 +12,7 @@ from tests.fixtures.checkpoints import make_tiny_checkpoint
 def run_cli(*args, env=None):
     e = dict(os.environ, HF_HUB_OFFLINE="1")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tritonchat.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tritonchat.app.launcher", *args], capture_output=True, text=True,
                           timeout=300, env=e)
 
 
