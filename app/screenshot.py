@@ -2,8 +2,8 @@
 
     python -m tritonchat.app.screenshot OUT.png [--model DIR] [--theme light|dark] [--timing]
 
-Without --model it writes a tiny random-weight checkpoint to a temporary folder (so the answer
-text is gibberish; pass the real model folder for a representative picture). It uses a
+Without --model it writes a tiny random-weight model (`tritonchat make-tiny`) to a temporary folder
+(so the answer text is gibberish; pass the real model folder for a representative picture). It uses a
 temporary chat history and settings file, sends one message, waits for the answer, sends a
 second one and grabs the window while that answer is still streaming. Run it under Xvfb (or
 QT_QPA_PLATFORM=offscreen) on a machine with fonts installed.
@@ -21,12 +21,9 @@ SECOND_PROMPT = "Now explain how it works, step by step."
 
 
 def _tiny_checkpoint(folder: Path) -> Path:
-    root = Path(__file__).resolve().parents[1]          # the repository (editable install)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tests.fixtures.checkpoints import make_tiny_checkpoint
+    from tritonchat.engine.tiny_model import make_tiny_model
 
-    return make_tiny_checkpoint(folder / "tiny-qwen35")
+    return make_tiny_model(folder / "tiny-qwen35")
 
 
 def main(argv: list[str] | None = None) -> int:

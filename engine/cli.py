@@ -1,4 +1,4 @@
-"""`tritonchat` command line: generate, chat, bench, install-desktop; no sub-command opens the app.
+"""`tritonchat` command line: generate, chat, bench, make-tiny, install-desktop; no sub-command opens the app.
 
 Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
 """
@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
     b.add_argument("--json", action="store_true")
     b.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random-weight Qwen3.5 model (try the app with no "
+                                         "GPU and no download: tritonchat --model DIR)")
+    t.add_argument("dir", help="a new or empty folder")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     d = sub.add_parser("install-desktop", help="install the .desktop file and icons for this user")
     d.add_argument("--uninstall", action="store_true")
@@ -265,6 +271,14 @@ def cmd_bench(args) -> int:
     return run_bench(args, engine_options(args))
 
 
+def cmd_make_tiny(args) -> int:
+    from .tiny_model import make_tiny_model
+    folder = make_tiny_model(args.dir, seed=args.seed)
+    print(f"Wrote a tiny random-weight Qwen3.5 model to {folder} (its answers are gibberish); "
+          f"open it with: tritonchat --model {folder}")
+    return 0
+
+
 def cmd_install_desktop(args) -> int:
     from tritonchat.app.desktop_install import install, uninstall
     if args.uninstall:
@@ -286,6 +300,7 @@ def cmd_app(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
+            "make-tiny": cmd_make_tiny,
             "install-desktop": cmd_install_desktop, None: cmd_app}
 
 
