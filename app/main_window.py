@@ -28,7 +28,7 @@ from .chat_input import ChatInput, ElidedLabel
 from .chat_view import ChatView
 from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
-from .settings import ChatSettings, load_settings, save_settings
+from .settings import ChatSettings, load_settings, remember_model, save_settings
 from .settings_dialog import SettingsDialog
 from .store import ChatStore
 from .timing_panel import TimingPanel
@@ -40,6 +40,7 @@ NEW_CHAT_TITLE = "New chat"
 STAGES = {"weights": "Loading weights", "kernels": "Compiling Triton kernels",
           "graph": "Capturing the CUDA graph"}
 CPU_BANNER = "Running the reference engine on the CPU: slow."
+DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
 
 
 def title_from(text: str) -> str:
@@ -295,6 +296,11 @@ class MainWindow(QMainWindow):
             model_dir = local_model_dir(self.model)
             if model_dir is None:
                 model_dir = self._download(self.model, self)
+                if model_dir is not None and not _in_hub_cache(model_dir):
+                    # "Use a folder on disk...": the next launch opens it, Settings shows it
+                    remember_model(self.qs, str(model_dir))
+                    self.settings.model = str(model_dir)
+                    self.settings.recent_models = load_settings(self.qs, self.model_defaults).recent_models
                 if model_dir is None:
                     self.show_banner(
                         f"The model {self.model} is not downloaded yet: use File \u2192 Download the "
@@ -305,6 +311,12 @@ class MainWindow(QMainWindow):
                     return
         self.load_model(str(model_dir))
 
+    def _switch_model(self, model: str) -> None:
+        """Open another model (chosen in Settings) in place of the running one."""
+        self.model = model
+        self.banner.clear()
+        self.start()
+
     def load_model(self, model_dir: str) -> None:
         self.model_dir = model_dir
         self.loaded = False
@@ -312,11 +324,7 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("Loading the model\u2026")
         self.load_bar.setValue(0)
         self.load_bar.show()
-        self._engine_wanted = {"max_context": self.settings.context_length,
-                               "split_k": self.settings.split_k, "graph": self.settings.graph,
-                               "l2_state": self.settings.l2_state,
-                               "context_ranges": self.settings.context_ranges,
-                               "launch_cache": self.settings.launch_cache}
+        self._engine_wanted = {"max_context": self.settings.context_length, **self.settings.engine}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -739,14 +747,13 @@ class MainWindow(QMainWindow):
     def apply_settings(self, new: ChatSettings) -> None:
         """Store the settings and push what changed to the engine (no restart needed)."""
         save_settings(self.qs, new, self.model_defaults)
-        self.settings = new
+        old_model, self.settings = self.settings.model, new
+        switch_model = new.model != old_model and self.gen is None
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
-        wanted = {"split_k": new.split_k, "graph": new.graph, "l2_state": new.l2_state,
-                  "context_ranges": new.context_ranges, "launch_cache": new.launch_cache,
-                  "max_context": new.context_length}
+        wanted = {**new.engine, "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
-        if changes and self.loaded:
+        if changes and self.loaded and not switch_model:
             self.engine.configure(**changes)
             if self.timing.isVisible():
                 self.engine.read_timings()      # after the change (the worker runs them in order)
@@ -755,6 +762,9 @@ class MainWindow(QMainWindow):
             self.set_theme(new.theme)
         elif new.theme in self.theme_actions:
             self.theme_actions[new.theme].setChecked(True)
+        if switch_model:
+            self._switch_model(new.model or DEFAULT_MODEL)
+            return
         self._request_token_count()
 
     def set_theme(self, mode: str) -> None:
@@ -814,6 +824,16 @@ class MainWindow(QMainWindow):
         self.save_in_flight()
         self.engine_closed = self.engine.close(timeout_s=30.0)
         super().closeEvent(event)
+
+
+def _in_hub_cache(folder) -> bool:
+    from tritonchat.engine.hub import model_cache_dir
+
+    try:
+        Path(folder).resolve().relative_to(model_cache_dir().resolve())
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def _download_with_dialog(repo_id: str, parent: QWidget) -> Path | None:
