@@ -40,6 +40,8 @@ NEW_CHAT_TITLE = "New chat"
 STAGES = {"weights": "Loading weights", "kernels": "Compiling Triton kernels",
           "graph": "Capturing the CUDA graph"}
 CPU_BANNER = "Running the reference engine on the CPU: slow."
+TINY_BANNER = ("This is a tiny model with random weights (tritonchat --demo / make-tiny): its "
+               "answers are random text.")
 DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
 
 
@@ -355,7 +357,12 @@ class MainWindow(QMainWindow):
         self.input.set_ready(True)
         self._update_engine_label()
         self.chat.welcome.set_model_text(self._welcome_text())
-        if not self.capabilities.get("cuda", False):
+        from tritonchat.engine.tiny_model import is_tiny_model
+
+        if self.model_dir and is_tiny_model(self.model_dir):
+            self.show_banner(TINY_BANNER + ("" if self.capabilities.get("cuda") else " " + CPU_BANNER),
+                             self.capabilities.get("reason", ""), warning=True)
+        elif not self.capabilities.get("cuda", False):
             self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
         self._request_token_count()
         if self.timing.isVisible():

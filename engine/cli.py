@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tritonchat", description=__doc__.splitlines()[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     ap.add_argument("--model", dest="app_model", default=None, help="(app) model folder or hub id")
+    ap.add_argument("--demo", action="store_true",
+                    help="(app) open the app on a tiny random-weight model: no GPU, no download")
     sub = ap.add_subparsers(dest="command")
 
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -295,7 +297,7 @@ def cmd_app(args) -> int:
         from tritonchat.app.main import main as app_main
     except ImportError as e:
         raise TritonChatError(f"The desktop app cannot start: {e}. Install PySide6 (pip install PySide6).") from e
-    argv = ["--model", args.app_model] if args.app_model else []
+    argv = (["--model", args.app_model] if args.app_model else []) + (["--demo"] if args.demo else [])
     return app_main(argv)
 
 
