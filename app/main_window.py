@@ -34,6 +34,8 @@ from .store import ChatStore
 from .timing_panel import TimingPanel
 from .worker import EngineClient, GenerateRequest, SessionLoader
 
+MIN_CHAT_WIDTH = 320             # what a user-dragged timing panel leaves the chat at least
+CHAT_SHARE = 0.62               # the chat keeps at least this share of the width beside the timing panel
 SAVE_INTERVAL_S = 0.5            # the streaming answer reaches the store at least this often
 TITLE_CHARS = 48
 NEW_CHAT_TITLE = "New chat"
@@ -192,17 +194,23 @@ class MainWindow(QMainWindow):
         ml.addWidget(self.chat, 1)
         ml.addWidget(self.input)
 
+        self.timing = TimingPanel(self.colors, self)
+        # sidebar | chat | timing panel: the user drags the handles, the panel collapses to the
+        # right edge (then it reads as closed), and the sizes are kept in ui/splitter
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(main)
+        self.splitter.addWidget(self.timing)
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([260, 920])
+        self.splitter.setStretchFactor(2, 0)
+        self.splitter.setSizes([260, 920, 0])
         self.splitter.setChildrenCollapsible(False)
+        for i, collapsible in enumerate((False, False, True)):
+            self.splitter.setCollapsible(i, collapsible)
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         self.setCentralWidget(self.splitter)
 
-        self.timing = TimingPanel(self.colors, self)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.timing)
         self.timing.hide()
         toggle = self.timing.toggleViewAction()
         toggle.setText("Timing panel")
@@ -211,7 +219,7 @@ class MainWindow(QMainWindow):
         toggle.toggled.connect(self.timing_button.setChecked)
         self.timing_button.clicked.connect(lambda on: self.timing.setVisible(on))
         self._timing_sent: bool | None = None
-        self._timing_sized = False              # the panel opens once at its preferred width
+        self._timing_width: int | None = None    # the user's width for the panel, once dragged
 
         self.engine_label = QLabel("Starting\u2026", self)
         self.engine_label.setObjectName("MutedLabel")
@@ -285,6 +293,14 @@ class MainWindow(QMainWindow):
         sizes = self.qs.value("ui/splitter")
         if isinstance(sizes, (QByteArray, bytes)):
             self.splitter.restoreState(QByteArray(sizes))
+            for i, collapsible in enumerate((False, False, True)):   # the state restores these too
+                self.splitter.setCollapsible(i, collapsible)
+            self.timing.hide()                   # the panel opens when asked (Ctrl+T)
+        try:
+            width = int(self.qs.value("ui/timing_width") or 0)
+        except (TypeError, ValueError):
+            width = 0
+        self._timing_width = width if width >= self.timing.minimumWidth() else None
 
     # ================================================================== model loading
     def start(self) -> None:
@@ -723,13 +739,33 @@ class MainWindow(QMainWindow):
             self.input.set_context(n, max_context)
 
     # ================================================================== timing panel
+    def _place_timing(self) -> None:
+        """Open the panel at the width the user last dragged it to; the first time at its
+        table's width, but never more than leaves the chat CHAT_SHARE of the splitter (the
+        sidebar gives way down to its minimum before the panel goes below its own)."""
+        sizes = self.splitter.sizes()
+        total = sum(sizes) or self.splitter.width()
+        sidebar = sizes[0]
+        if self._timing_width:
+            width = min(self._timing_width, max(self.timing.minimumWidth(), total - sidebar - MIN_CHAT_WIDTH))
+        else:
+            room = total - int(CHAT_SHARE * total)          # for the sidebar and the panel
+            width = min(self.timing.preferred_width(), room - sidebar)
+            if width < self.timing.minimumWidth():
+                sidebar = max(self.sidebar.minimumWidth(), room - self.timing.minimumWidth())
+                width = max(self.timing.minimumWidth(), room - sidebar)
+        self.splitter.setSizes([sidebar, total - sidebar - width, width])
+
+    def _on_splitter_moved(self, _pos: int, _index: int) -> None:
+        width = self.splitter.sizes()[2]
+        if width > 0:
+            self._timing_width = width
+        elif self.timing.isVisible():            # dragged shut: the panel is closed
+            self.timing.hide()
+
     def _on_timing_toggled(self, visible: bool) -> None:
-        if (visible and not self._timing_sized and not self.timing.isFloating()
-                and self.dockWidgetArea(self.timing) == Qt.DockWidgetArea.RightDockWidgetArea):
-            # wide enough for every column of the kernel table (later the user's width stays)
-            self._timing_sized = True
-            self.resizeDocks([self.timing], [self.timing.preferred_width()],
-                             Qt.Orientation.Horizontal)
+        if visible:
+            self._place_timing()
         if not self.loaded or self._closing:
             return
         if self._timing_sent != visible:
@@ -825,6 +861,8 @@ class MainWindow(QMainWindow):
         self._closing = True
         self.qs.setValue("ui/geometry", self.saveGeometry())
         self.qs.setValue("ui/splitter", self.splitter.saveState())
+        if self._timing_width:
+            self.qs.setValue("ui/timing_width", int(self._timing_width))
         if self.conv_id is not None:
             self.qs.setValue("ui/last_conversation", self.conv_id)
         self.qs.sync()

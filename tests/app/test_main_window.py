@@ -373,9 +373,10 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     qtbot.waitUntil(lambda: len(session.of("configure")) == 1, timeout=10000)
     assert w.timing.isVisible() and w.timing_button.isChecked()
     assert session.of("configure")[-1] == ("configure", {"timing": True})
-    # it opens wide enough for the kernel table's columns (when the window has the room)
-    if w.width() >= 2 * w.timing.preferred_width():
-        qtbot.waitUntil(lambda: w.timing.width() >= w.timing.preferred_width() - 8)
+    # it opens as the splitter's right pane, leaving the chat at least 60% of the width
+    assert w.splitter.indexOf(w.timing) == 2
+    qtbot.waitUntil(lambda: w.timing.width() > 0)
+    assert w.splitter.widget(1).width() >= 0.6 * w.splitter.width()
     assert w.timing.note.isVisibleTo(w) and "Triton" in w.timing.note.text()
     assert not w.timing.table.isVisibleTo(w)
     send(qtbot, w, "measure me", timeout=60000)
