@@ -16,7 +16,7 @@ from tritonchat.app.main import NO_DISPLAY_SENTENCE, qt_platform_problem
 
 def run(args, env, timeout=60):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "tritonchat.engine.cli", *args], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tritonchat.app.launcher", *args], capture_output=True,
                        text=True, timeout=timeout, env=env)
     return r, time.monotonic() - t0
 
