@@ -29,18 +29,23 @@ from .conversation import (SAVE_INTERVAL_S, ConversationController, Conversation
                            Generation, title_from)
 from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
-from .settings import ChatSettings, load_settings, save_settings
+from .settings import ChatSettings, load_settings, remember_model, save_settings
 from .settings_dialog import SettingsDialog
 from .stats_text import engine_label
 from .store import ChatStore, Message
 from .timing_panel import TimingPanel
 from .worker import EngineClient, GenerateRequest, SessionLoader
 
+MIN_CHAT_WIDTH = 320             # what a user-dragged timing panel leaves the chat at least
+CHAT_SHARE = 0.62               # the chat keeps at least this share of the width beside the timing panel
 NEW_CHAT_TITLE = "New chat"
 DRAFT_IDLE_MS = 400              # after typing stops: save the draft, count its tokens
 STAGES = {"weights": "Loading weights", "kernels": "Compiling Triton kernels",
           "graph": "Capturing the CUDA graph"}
 CPU_BANNER = "Running the reference engine on the CPU: slow."
+TINY_BANNER = ("This is a tiny model with random weights (tritonchat --demo / make-tiny): its "
+               "answers are random text.")
+DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
 
 
 class MainWindow(QMainWindow):
@@ -183,17 +188,23 @@ class MainWindow(QMainWindow):
         ml.addWidget(self.chat, 1)
         ml.addWidget(self.input)
 
+        self.timing = TimingPanel(self.colors, self)
+        # sidebar | chat | timing panel: the user drags the handles, the panel collapses to the
+        # right edge (then it reads as closed), and the sizes are kept in ui/splitter
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(main)
+        self.splitter.addWidget(self.timing)
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([260, 920])
+        self.splitter.setStretchFactor(2, 0)
+        self.splitter.setSizes([260, 920, 0])
         self.splitter.setChildrenCollapsible(False)
+        for i, collapsible in enumerate((False, False, True)):
+            self.splitter.setCollapsible(i, collapsible)
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         self.setCentralWidget(self.splitter)
 
-        self.timing = TimingPanel(self.colors, self)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.timing)
         self.timing.hide()
         toggle = self.timing.toggleViewAction()
         toggle.setText("Timing panel")
@@ -202,7 +213,7 @@ class MainWindow(QMainWindow):
         toggle.toggled.connect(self.timing_button.setChecked)
         self.timing_button.clicked.connect(lambda on: self.timing.setVisible(on))
         self._timing_sent: bool | None = None
-        self._timing_sized = False              # the panel opens once at its preferred width
+        self._timing_width: int | None = None    # the user's width for the panel, once dragged
 
         self.engine_label = QLabel("Starting\u2026", self)
         self.engine_label.setObjectName("MutedLabel")
@@ -276,6 +287,14 @@ class MainWindow(QMainWindow):
         sizes = self.qs.value("ui/splitter")
         if isinstance(sizes, (QByteArray, bytes)):
             self.splitter.restoreState(QByteArray(sizes))
+            for i, collapsible in enumerate((False, False, True)):   # the state restores these too
+                self.splitter.setCollapsible(i, collapsible)
+            self.timing.hide()                   # the panel opens when asked (Ctrl+T)
+        try:
+            width = int(self.qs.value("ui/timing_width") or 0)
+        except (TypeError, ValueError):
+            width = 0
+        self._timing_width = width if width >= self.timing.minimumWidth() else None
 
     # ================================================================== model loading
     def start(self) -> None:
@@ -289,6 +308,11 @@ class MainWindow(QMainWindow):
             model_dir = local_model_dir(self.model)
             if model_dir is None:
                 model_dir = self._download(self.model, self)
+                if model_dir is not None and not _in_hub_cache(model_dir):
+                    # "Use a folder on disk...": the next launch opens it, Settings shows it
+                    remember_model(self.qs, str(model_dir))
+                    self.settings.model = str(model_dir)
+                    self.settings.recent_models = load_settings(self.qs, self.model_defaults).recent_models
                 if model_dir is None:
                     self.show_banner(
                         f"The model {self.model} is not downloaded yet: use File \u2192 Download the "
@@ -299,6 +323,12 @@ class MainWindow(QMainWindow):
                     return
         self.load_model(str(model_dir))
 
+    def _switch_model(self, model: str) -> None:
+        """Open another model (chosen in Settings) in place of the running one."""
+        self.model = model
+        self.banner.clear()
+        self.start()
+
     def load_model(self, model_dir: str) -> None:
         self.model_dir = model_dir
         self.loaded = False
@@ -306,11 +336,7 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("Loading the model\u2026")
         self.load_bar.setValue(0)
         self.load_bar.show()
-        self._engine_wanted = {"max_context": self.settings.context_length,
-                               "split_k": self.settings.split_k, "graph": self.settings.graph,
-                               "l2_state": self.settings.l2_state,
-                               "context_ranges": self.settings.context_ranges,
-                               "launch_cache": self.settings.launch_cache}
+        self._engine_wanted = {"max_context": self.settings.context_length, **self.settings.engine}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -341,7 +367,12 @@ class MainWindow(QMainWindow):
         self.input.set_ready(True)
         self._update_engine_label()
         self.chat.welcome.set_model_text(self._welcome_text())
-        if not self.capabilities.get("cuda", False):
+        from tritonchat.engine.tiny_model import is_tiny_model
+
+        if self.model_dir and is_tiny_model(self.model_dir):
+            self.show_banner(TINY_BANNER + ("" if self.capabilities.get("cuda") else " " + CPU_BANNER),
+                             self.capabilities.get("reason", ""), warning=True)
+        elif not self.capabilities.get("cuda", False):
             self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
         self._request_token_count()
         if self.timing.isVisible():
@@ -540,13 +571,33 @@ class MainWindow(QMainWindow):
         self._request_token_count()                         # the tokenizer's exact count
 
     # ================================================================== timing panel
+    def _place_timing(self) -> None:
+        """Open the panel at the width the user last dragged it to; the first time at its
+        table's width, but never more than leaves the chat CHAT_SHARE of the splitter (the
+        sidebar gives way down to its minimum before the panel goes below its own)."""
+        sizes = self.splitter.sizes()
+        total = sum(sizes) or self.splitter.width()
+        sidebar = sizes[0]
+        if self._timing_width:
+            width = min(self._timing_width, max(self.timing.minimumWidth(), total - sidebar - MIN_CHAT_WIDTH))
+        else:
+            room = total - int(CHAT_SHARE * total)          # for the sidebar and the panel
+            width = min(self.timing.preferred_width(), room - sidebar)
+            if width < self.timing.minimumWidth():
+                sidebar = max(self.sidebar.minimumWidth(), room - self.timing.minimumWidth())
+                width = max(self.timing.minimumWidth(), room - sidebar)
+        self.splitter.setSizes([sidebar, total - sidebar - width, width])
+
+    def _on_splitter_moved(self, _pos: int, _index: int) -> None:
+        width = self.splitter.sizes()[2]
+        if width > 0:
+            self._timing_width = width
+        elif self.timing.isVisible():            # dragged shut: the panel is closed
+            self.timing.hide()
+
     def _on_timing_toggled(self, visible: bool) -> None:
-        if (visible and not self._timing_sized and not self.timing.isFloating()
-                and self.dockWidgetArea(self.timing) == Qt.DockWidgetArea.RightDockWidgetArea):
-            # wide enough for every column of the kernel table (later the user's width stays)
-            self._timing_sized = True
-            self.resizeDocks([self.timing], [self.timing.preferred_width()],
-                             Qt.Orientation.Horizontal)
+        if visible:
+            self._place_timing()
         if not self.loaded or self._closing:
             return
         if self._timing_sent != visible:
@@ -571,14 +622,13 @@ class MainWindow(QMainWindow):
     def apply_settings(self, new: ChatSettings) -> None:
         """Store the settings and push what changed to the engine (no restart needed)."""
         save_settings(self.qs, new, self.model_defaults)
-        self.settings = new
+        old_model, self.settings = self.settings.model, new
+        switch_model = new.model != old_model and self.gen is None
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
-        wanted = {"split_k": new.split_k, "graph": new.graph, "l2_state": new.l2_state,
-                  "context_ranges": new.context_ranges, "launch_cache": new.launch_cache,
-                  "max_context": new.context_length}
+        wanted = {**new.engine, "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
-        if changes and self.loaded:
+        if changes and self.loaded and not switch_model:
             self.engine.configure(**changes)
             if self.timing.isVisible():
                 self.engine.read_timings()      # after the change (the worker runs them in order)
@@ -587,6 +637,9 @@ class MainWindow(QMainWindow):
             self.set_theme(new.theme)
         elif new.theme in self.theme_actions:
             self.theme_actions[new.theme].setChecked(True)
+        if switch_model:
+            self._switch_model(new.model or DEFAULT_MODEL)
+            return
         self._request_token_count()
 
     def set_theme(self, mode: str) -> None:
@@ -636,6 +689,8 @@ class MainWindow(QMainWindow):
         self._closing = True
         self.qs.setValue("ui/geometry", self.saveGeometry())
         self.qs.setValue("ui/splitter", self.splitter.saveState())
+        if self._timing_width:
+            self.qs.setValue("ui/timing_width", int(self._timing_width))
         if self.conv_id is not None:
             self.qs.setValue("ui/last_conversation", self.conv_id)
         self.qs.sync()
@@ -720,6 +775,16 @@ class _ChatWiring(ConversationListener):
     def generation_failed(self, sentence, details) -> None:
         show_error(self.w, sentence, details)
         self.w.generationFailed.emit(sentence, details)
+
+
+def _in_hub_cache(folder) -> bool:
+    from tritonchat.engine.hub import model_cache_dir
+
+    try:
+        Path(folder).resolve().relative_to(model_cache_dir().resolve())
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def _download_with_dialog(repo_id: str, parent: QWidget) -> Path | None:

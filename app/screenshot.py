@@ -3,8 +3,8 @@
     python -m tritonchat.app.screenshot OUT.png [--model DIR] [--theme light|dark] [--timing]
                                         [--regenerate]
 
-Without --model it writes a tiny random-weight checkpoint to a temporary folder (so the answer
-text is gibberish; pass the real model folder for a representative picture). It uses a
+Without --model it writes a tiny random-weight model (`tritonchat make-tiny`) to a temporary folder
+(so the answer text is gibberish; pass the real model folder for a representative picture). It uses a
 temporary chat history and settings file, sends one message, waits for the answer, sends a
 second one and grabs the window while that answer is still streaming. With --regenerate it
 answers the first message twice instead and grabs the second answer with its "‹ 2/2 ›" arrows. Run it under Xvfb (or
@@ -23,12 +23,9 @@ SECOND_PROMPT = "Now explain how it works, step by step."
 
 
 def _tiny_checkpoint(folder: Path) -> Path:
-    root = Path(__file__).resolve().parents[1]          # the repository (editable install)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tests.fixtures.checkpoints import make_tiny_checkpoint
+    from tritonchat.engine.tiny_model import make_tiny_model
 
-    return make_tiny_checkpoint(folder / "tiny-qwen35")
+    return make_tiny_model(folder / "tiny-qwen35")
 
 
 def main(argv: list[str] | None = None) -> int:

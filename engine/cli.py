@@ -1,5 +1,5 @@
-"""`tritonchat` command line: generate, chat, bench and verify (app/launcher.py adds the app and
-install-desktop, so the engine never imports the app).
+"""`tritonchat` command line: generate, chat, bench, verify and make-tiny (app/launcher.py adds
+the app and install-desktop, so the engine never imports the app).
 
 Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
 """
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tritonchat", description="Chat with Qwen3.5-0.8B on hand-written Triton kernels; with no sub-command the desktop app opens.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     ap.add_argument("--model", dest="app_model", default=None, help="(app) model folder or hub id")
+    ap.add_argument("--demo", action="store_true",
+                    help="(app) open the app on a tiny random-weight model: no GPU, no download")
     sub = ap.add_subparsers(dest="command")
 
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -110,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="hash every model file against its download record; check every tensor")
     v.add_argument("--model", default=None, help="model folder or hub id (default Qwen/Qwen3.5-0.8B)")
     v.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random-weight Qwen3.5 model (try the app with no "
+                                         "GPU and no download: tritonchat --model DIR)")
+    t.add_argument("dir", help="a new or empty folder")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     d = sub.add_parser("install-desktop", help="install the .desktop file and icons for this user")
     d.add_argument("--uninstall", action="store_true")
@@ -362,7 +370,16 @@ def _verify_tensors(folder) -> int:
     return bad
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "verify": cmd_verify}
+def cmd_make_tiny(args) -> int:
+    from .tiny_model import make_tiny_model
+    folder = make_tiny_model(args.dir, seed=args.seed)
+    print(f"Wrote a tiny random-weight Qwen3.5 model to {folder} (its answers are gibberish); "
+          f"open it with: tritonchat --model {folder}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "verify": cmd_verify,
+            "make-tiny": cmd_make_tiny}
 
 
 def _no_app(args) -> int:

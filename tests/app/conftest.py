@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")   # before any Qt import
+if "TRITONCHAT_LOG_DIR" not in os.environ:               # error boxes log here, not in ~/.local
+    import tempfile
+
+    os.environ["TRITONCHAT_LOG_DIR"] = tempfile.mkdtemp(prefix="tritonchat-test-logs-")
 
 import pytest  # noqa: E402
 

@@ -294,27 +294,27 @@ def test_engine_switches_reach_configure(qtbot, make_window, recording_loader):
     w = make_window()
     session = recording_loader.sessions[-1]
     s = copy.deepcopy(w.settings)
-    s.split_k, s.graph = False, False
+    s.engine.update(split_k=False, graph=False)
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 1, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"split_k": False, "graph": False})
     s = copy.deepcopy(s)
-    s.graph = True
+    s.engine["graph"] = True
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 2, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"graph": True})
     s = copy.deepcopy(s)
-    s.l2_state = False
+    s.engine["l2_state"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 3, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"l2_state": False})
     s = copy.deepcopy(s)
-    s.context_ranges = False
+    s.engine["context_ranges"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 4, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"context_ranges": False})
     s = copy.deepcopy(s)
-    s.launch_cache = False
+    s.engine["launch_cache"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 5, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"launch_cache": False})
@@ -403,9 +403,10 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     qtbot.waitUntil(lambda: len(session.of("configure")) == 1, timeout=10000)
     assert w.timing.isVisible() and w.timing_button.isChecked()
     assert session.of("configure")[-1] == ("configure", {"timing": True})
-    # it opens wide enough for the kernel table's columns (when the window has the room)
-    if w.width() >= 2 * w.timing.preferred_width():
-        qtbot.waitUntil(lambda: w.timing.width() >= w.timing.preferred_width() - 8)
+    # it opens as the splitter's right pane, leaving the chat at least 60% of the width
+    assert w.splitter.indexOf(w.timing) == 2
+    qtbot.waitUntil(lambda: w.timing.width() > 0)
+    assert w.splitter.widget(1).width() >= 0.6 * w.splitter.width()
     assert w.timing.note.isVisibleTo(w) and "Triton" in w.timing.note.text()
     assert not w.timing.table.isVisibleTo(w)
     send(qtbot, w, "measure me", timeout=60000)
@@ -420,13 +421,13 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     w.engine.read_timings = lambda: (reads.append("read"), read())
     try:
         s = copy.deepcopy(w.settings)
-        s.context_ranges = not s.context_ranges
+        s.engine["context_ranges"] = not s.engine["context_ranges"]
         w.apply_settings(s)
     finally:
         del w.engine.read_timings, w.engine.configure
     assert reads == ["configure", "read"]
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure",
-                                                             {"context_ranges": s.context_ranges}),
+                                                             {"context_ranges": s.engine["context_ranges"]}),
                     timeout=10000)
     w.timing.toggleViewAction().trigger()
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure", {"timing": False}))
@@ -504,7 +505,8 @@ def test_settings_dialog_round_trip_through_the_window(qtbot, make_window, monke
     w = make_window()
 
     def fake_exec(dialog):
-        assert not dialog.split_k.isEnabled() and "CUDA" in dialog.split_k.toolTip()
+        box = dialog.switches["split_k"]
+        assert not box.isEnabled() and not box.isChecked() and "Triton" in box.toolTip()
         dialog.temperature.setValue(0.0)
         dialog.max_new_tokens.setValue(3)
         dialog.system_prompt.setPlainText("sys")
