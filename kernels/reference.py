@@ -32,13 +32,6 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float,
     return y.to(out_dtype or x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                     out_dtype: Optional[torch.dtype] = None):
-    """(new residual = round(residual + x), rms_norm_ref(new residual))."""
-    r = (residual.float() + x.float()).to(residual.dtype)
-    return r, rms_norm_ref(r, w, eps, out_dtype or x.dtype)
-
-
 def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
              silu_mul: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """W @ x [+ residual] or silu(Wg x) * (Wu x), fp32, rounded once to out_dtype."""

@@ -237,8 +237,8 @@ def _advance(pos_ptr, ring_ptr, tok, RING: tl.constexpr):
 
 def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
     """dict(block_n, block_k, num_warps, persistent, num_stages, evict) of lm_head_argmax:
-    decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else the GEMV plan of [V, D] in
-    the grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
+    decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else ~4K-element tiles of the
+    grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
     either form)."""
     e = _gemv.decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
     if e is not None:
@@ -248,9 +248,11 @@ def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
                         num_stages=int(e.get("num_stages", 1)), evict=bool(e.get("evict", True)))
         except (KeyError, TypeError, ValueError):
             pass
-    p = _gemv.plan(vocab, dim, False)
-    return dict(block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
-                persistent=0, num_stages=1, evict=True)
+    # the grid form with ~4K-element tiles
+    block_k = min(512, next_pow2(max(dim, 16)))
+    block_n = max(1, min(64, 4096 // block_k, next_pow2(vocab)))
+    return dict(block_n=block_n, block_k=block_k, num_warps=4, persistent=0, num_stages=1,
+                evict=True)
 
 
 def lm_head_partials_numel(vocab: int, block_n: int) -> int:
@@ -665,14 +667,3 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
         CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, COUNT=bool(count),
         ADVANCE=pos is not None, RING=ring.numel() if ring is not None else 0, num_warps=8)
     return token_out
-
-
-def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:
-    """A fresh int32 [2, vocab] counts tensor from host id lists (allocates: call it when
-    sampling starts, outside any captured graph)."""
-    counts = torch.zeros(2, vocab, dtype=torch.int32)
-    for row, ids in enumerate((context_ids, generated_ids)):
-        if len(ids):
-            t = torch.as_tensor(list(ids), dtype=torch.int64)
-            counts[row] += torch.bincount(t, minlength=vocab)[:vocab].to(torch.int32)
-    return counts.to(device) if device is not None else counts

@@ -1012,14 +1012,3 @@ def test_in_step_tuner_needs_a_gpu(capsys):
         pytest.skip("runs the real tuner on a GPU")
     assert ts.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_pdl_trigger_point_comes_from_the_table(tmp_path, monkeypatch):
-    import json
-    table = tmp_path / "t.json"
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(table))
-    assert gemv_mod.table_pdl_early() is False                    # no table: after the wait
-    table.write_text(json.dumps({"entries": [], "in_step": {"pdl_early": True}}))
-    assert gemv_mod.table_pdl_early() is True
-    table.write_text("not json")
-    assert gemv_mod.table_pdl_early() is False

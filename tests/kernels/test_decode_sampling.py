@@ -8,12 +8,24 @@ import torch
 from tritonchat.engine.options import SamplingParams
 from tritonchat.kernels.reference import (lm_head_argmax_ref, penalized_logits_ref,
                                           sample_from_logits_ref)
-from tritonchat.kernels.sampling import (build_counts, lm_head_argmax, lm_head_partials_numel,
+from tritonchat.kernels.sampling import (lm_head_argmax, lm_head_partials_numel,
                                          params_from_sampling, params_list, sample_from_logits,
                                          sample_plan, sample_scratch_numel)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, VALID = 50, 45          # ids 45..49 play the padded embedding rows
+
+
+def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:
+    """A fresh int32 [2, vocab] counts tensor from host id lists (allocates: call it when
+    sampling starts, outside any captured graph)."""
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    for row, ids in enumerate((context_ids, generated_ids)):
+        if len(ids):
+            t = torch.as_tensor(list(ids), dtype=torch.int64)
+            counts[row] += torch.bincount(t, minlength=vocab)[:vocab].to(torch.int32)
+    return counts.to(device) if device is not None else counts
+
 
 
 # ------------------------------------------------------------------------------------------
