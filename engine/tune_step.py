@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune_step needs a CUDA GPU", file=sys.stderr)
         return 2
+    from tritonchat.kernels import _common
     from tritonchat.kernels import gemv as G
     from tritonchat.kernels import sampling as S
     from tritonchat.kernels.tune_decode import lm_head_persistent_candidates
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     from .loader import random_backend
 
     log = lambda s: print(s, flush=True)  # noqa: E731
-    out_path = args.out or G.DECODE_TABLE_PATH
+    out_path = args.out or _common.DECODE_TABLE_PATH
     t_start = time.time()
     cfg = qwen35_08b_config()
     be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     # split-K scratch for any candidate (the engine sizes it for the plans it holds)
     be.gemv_partials = torch.zeros(64 * 2 * 8224, device=be.device, dtype=torch.float32)
     be.gemv_counters = torch.zeros(8224, device=be.device, dtype=torch.int32)
-    table = G.decode_table()                     # the launchers' dict: edited in place
+    table = _common.decode_table()                     # the launchers' dict: edited in place
 
     def measure() -> float:
         be._invalidate_graph()

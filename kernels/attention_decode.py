@@ -43,11 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait
 
 from . import gemv as _gemv
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
@@ -156,7 +155,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DEFER: tl.constexpr,
                         DEFER_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         PDL: tl.constexpr):
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     cdt = k_cache_ptr.dtype.element_ty
@@ -175,7 +174,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
     # so they are read before waiting for the q/k/v producer; mode 2 lets launches run further
     # ahead, so there everything is read after the wait.
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     p, per_split, n_active = split_layout(pos_ptr, NUM_SPLITS, BLOCK_N)
     n_tok = p + 1
     # splits past the end hold no position: they exit (and take no ticket)
@@ -189,7 +188,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         qw, qwp = _row(wq2, 0), _row(wq2, 1)
         kw, kwp = _row(wk2, 0), _row(wk2, 1)
         if PDL != 2:
-            _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
+            pdl_wait(PDL)          # q/k/v come from the previous kernel
 
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < GROUP
@@ -466,7 +465,7 @@ def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     defer_groups: 1 when past them it leaves the merge of the group partials too; any may be
     absent): measured in the captured step on the device, see decode_tuning.json.
     {} when the table has no entry (the sizes chosen in attention_decode apply)."""
-    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    e = decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     plan = {}
     for k in ("block_n", "num_warps", "num_stages", "defer_splits", "defer_groups"):
         try:
@@ -496,7 +495,7 @@ def attention_range_plans(num_heads: int, num_kv_heads: int,
     merge groups of 2 to MAX_DEFER splits (a merger holds a group at once), 1 to 4 splits an SM
     and 1 to 4 pipeline stages. (The engine captures one decode graph per range,
     engine/triton_backend.py.)"""
-    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    e = decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     if e is None or not isinstance(e.get("context_ranges"), list):
         return []
     out: dict[int, tuple[Optional[int], dict]] = {}
@@ -620,8 +619,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"partials must be contiguous float32 with >= {need_p} elements")
     for t, name in ((qg, "qg"), (k, "k"), (v, "v"), (q_norm_w, "q_norm_w"),
                     (k_norm_w, "k_norm_w"), (k_cache, "k_cache"), (out, "out")):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {_DTYPES}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {FLOAT_DTYPES}")
     need_c = counters_numel(Hkv, num_splits, merge)
     _expect(counters.dtype == torch.int32 and counters.is_contiguous()
             and counters.numel() >= need_c,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import cdiv, next_pow2
 
 ROW_SUMS_BLOCK_R = 8          # rows a program reads (8 x 1024 bf16 = 16 KB a program)
 

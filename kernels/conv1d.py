@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
 from .gemm import tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONV_KEYS = ("BLOCK_T", "BLOCK_C", "ROW_TILES", "num_warps")
 
 
@@ -124,8 +123,8 @@ def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
         raise ValueError("causal_conv1d expects x [T, C], w [C, Kc], conv_state [C, Kc-1], out [T, C]")
     T, C = x.shape
     kc = w.shape[1]
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"causal_conv1d supports {_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"causal_conv1d supports {FLOAT_DTYPES}, got {x.dtype}")
     if kc < 2:
         raise ValueError("conv kernel size must be >= 2")
     if tuple(w.shape) != (C, kc) or tuple(conv_state.shape) != (C, kc - 1):

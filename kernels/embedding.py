@@ -9,19 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2, pdl_start, pdl_wait
 
 from . import gemv as _gemv
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
 def _embedding_gather_kernel(ids_ptr, table_ptr, out_ptr, D, BLOCK_D: tl.constexpr,
                              PDL: tl.constexpr):
     # program (t, d-block): copy one slice of row ids[t]
-    _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)
+    pdl_start(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
@@ -37,11 +36,11 @@ def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) 
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
         raise ValueError(f"embedding_gather: ids must be a 1-D int32/int64 tensor, got "
                          f"{ids.dtype} {tuple(ids.shape)}")
-    if table.dim() != 2 or not table.is_contiguous() or table.dtype not in _DTYPES:
+    if table.dim() != 2 or not table.is_contiguous() or table.dtype not in FLOAT_DTYPES:
         raise ValueError("embedding_gather: table must be a contiguous [V, D] float matrix")
     T = ids.numel()
     D = table.shape[1]
-    if out.numel() != T * D or not out.is_contiguous() or out.dtype not in _DTYPES:
+    if out.numel() != T * D or not out.is_contiguous() or out.dtype not in FLOAT_DTYPES:
         raise ValueError(f"embedding_gather: out must be a contiguous [{T}, {D}] float tensor, "
                          f"got {out.dtype} {tuple(out.shape)}")
     if not (ids.device == table.device == out.device):

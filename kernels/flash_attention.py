@@ -27,11 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
 from .gemm import _check_rows, dot_precision, tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 # rows of the query tile normalised + rotated at a time (keeps the prologue out of spills)
 _PROLOGUE_ROWS = 16
@@ -271,8 +270,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("qg must be [T, num_heads*2*head_dim]")
     T = qg.shape[0]
     dt = qg.dtype
-    if dt not in _DTYPES:
-        raise TypeError(f"attention_prefill supports {_DTYPES}, got {dt}")
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"attention_prefill supports {FLOAT_DTYPES}, got {dt}")
     _check_rows("qg", qg, T, H * 2 * hd, dt)
     _check_rows("k", k, T, Hkv * hd, dt)
     _check_rows("v", v, T, Hkv * hd, dt)

@@ -31,11 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
 from .gemm import dot_precision, tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
 L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
@@ -254,8 +253,8 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
         raise ValueError("qkv_conv must be [T, conv_dim]")
     T = qkv_conv.shape[0]
     act = qkv_conv.dtype
-    if act not in _DTYPES:
-        raise TypeError(f"gdn_prefill supports {_DTYPES}, got {act}")
+    if act not in FLOAT_DTYPES:
+        raise TypeError(f"gdn_prefill supports {FLOAT_DTYPES}, got {act}")
     _check_2d("qkv_conv", qkv_conv, T, 2 * hk * dk + hv * dv)
     _check_2d("z", z, T, hv * dv)
     _check_2d("b", b, T, hv)

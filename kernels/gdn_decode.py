@@ -19,11 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait
 
-from . import gemv as _gemv
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 L2NORM_EPS = 1e-6          # HF l2norm: inside the sqrt, added to the sum of squares
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this, as torch.nn.functional.softplus
 
@@ -84,12 +81,12 @@ def _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, 
               + offs_v[None, :])
     s_mask = mk[:, None] & mv[None, :]
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     S = tl.load(s_ptrs, mask=s_mask, other=0.0)
     dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)          # parameters: no kernel writes them
     a_log = tl.load(A_log_ptr + h).to(tl.float32)
     if PDL != 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
 
     # every load of the producer's output issued before the first value that waits on one
     q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -133,7 +130,7 @@ def _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, eps, zp, Z_ROWS: tl.constexpr, ZK: t
                 mask=rm[:, None] & km[None, :], other=0.0, eviction_policy="evict_first")
     nw = tl.load(znw_ptr + ks, mask=km, other=0.0)
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     v = tl.load(zx_ptr + ks, mask=km, other=0.0)
     xf = v.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / ZK + eps)
@@ -152,7 +149,7 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
                      BLOCK_ZK: tl.constexpr, Z_FIRST: tl.constexpr):
     # Z_ROWS > 0: N_Z programs of the z GEMV, first in the grid (Z_FIRST) or last; the others
     # are the (value head, value tile) programs of the recurrence
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if Z_ROWS > 0:
         if Z_FIRST:
@@ -183,7 +180,6 @@ def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) 
 
 def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
     """(block_v, num_warps, z_block_n, z_first) from the decode table, else the defaults."""
-    from .gemv import decode_table
     e = decode_table().get(f"gdn_core:{hv}x{dk}x{dv}")
     bv = next_pow2(dv)
     z_bn, z_first = 2, True          # measured best in the 0.8B step (decode_tuning.json)
@@ -229,13 +225,13 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     with_z = z_weight is not None
     ba_off = conv_dim if with_z else conv_dim + hv * dv
     n_proj = ba_off + 2 * hv
-    _expect(proj.numel() == n_proj and proj.is_contiguous() and proj.dtype in _DTYPES,
+    _expect(proj.numel() == n_proj and proj.is_contiguous() and proj.dtype in FLOAT_DTYPES,
             f"proj must be a contiguous float vector of {n_proj}, got {tuple(proj.shape)}")
     _expect(tuple(state.shape) == (hv, dk, dv) and state.is_contiguous()
             and state.dtype == torch.float32,
             f"state must be a contiguous float32 [{hv}, {dk}, {dv}] tensor")
     _expect(A_log.numel() == hv and dt_bias.numel() == hv, f"A_log and dt_bias must hold {hv}")
-    _expect(o_out.numel() == hv * dv and o_out.is_contiguous() and o_out.dtype in _DTYPES,
+    _expect(o_out.numel() == hv * dv and o_out.is_contiguous() and o_out.dtype in FLOAT_DTYPES,
             f"o_out must be a contiguous float vector of {hv * dv}")
     for t, name in ((proj, "proj"), (A_log, "A_log"), (dt_bias, "dt_bias"), (o_out, "o_out")):
         _expect(t.device == state.device, f"{name} is not on the state's device")
@@ -244,11 +240,11 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
         _expect(z_x is not None and z_norm_w is not None and z_out is not None,
                 "the z programs need z_weight, z_x, z_norm_w and z_out together")
         _expect(z_weight.dim() == 2 and z_weight.shape[0] == hv * dv and z_weight.is_contiguous()
-                and z_weight.dtype in _DTYPES and z_weight.device == state.device,
+                and z_weight.dtype in FLOAT_DTYPES and z_weight.device == state.device,
                 f"z_weight must be a contiguous [{hv * dv}, K] float matrix on the state's device")
         zk = int(z_weight.shape[1])
         for t, name, n in ((z_x, "z_x", zk), (z_norm_w, "z_norm_w", zk), (z_out, "z_out", hv * dv)):
-            _expect(t.numel() == n and t.is_contiguous() and t.dtype in _DTYPES
+            _expect(t.numel() == n and t.is_contiguous() and t.dtype in FLOAT_DTYPES
                     and t.device == state.device,
                     f"{name} must be a contiguous float vector of {n} on the state's device")
     else:

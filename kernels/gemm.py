@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Tile table measured on the device by `python -m tritonchat.kernels.tune_prefill`; every prefill
 # launcher falls back to its built-in table when the file (or an entry) is absent.
@@ -211,8 +210,8 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     gate rows first in W). Rows of x/out/residual may be strided (views into a wider buffer).
     `config` (GEMM_KEYS) overrides the tile table: the tuner sweeps through it.
     """
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"gemm supports {_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"gemm supports {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() != 2 or W.dim() != 2:
         raise ValueError("gemm expects x [T, K] and W [N, K]")
     M, K = x.shape

@@ -23,9 +23,6 @@ what the engine calls at load.
 """
 from __future__ import annotations
 
-import json
-import os
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -33,9 +30,9 @@ import triton
 import triton.language as tl
 
 from . import attention_decode as _attn
-from .hostmath import cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, _sm90_plus, cdiv, decode_table, interpreting, next_pow2,
+                      pdl_start, pdl_wait, sm_count)
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The fallback plans aim at this many programs (H200: 132 SMs, ~2 resident GEMV programs each).
 TARGET_PROGRAMS = 264
 MAX_SPLIT_K = 8
@@ -97,22 +94,10 @@ USE_PDL = False
 PDL_EARLY = False
 
 
-@lru_cache(maxsize=16)
-def _sm90_plus(kind: str, index: Optional[int]) -> bool:
-    if kind != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-# read once: the eager decode path and the prefill ask pdl_active() twice per launch, and an
-# environment lookup there cost ~2 us a launch on the device's host
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def pdl_active(device: torch.device) -> bool:
     """Whether kernels launched now on `device` use programmatic dependent launch (cheap: the
     eager decode path asks at every launch)."""
-    if not USE_PDL or _INTERPRETER:
+    if not USE_PDL or interpreting():
         return False
     if not isinstance(device, torch.device):
         device = torch.device(device)
@@ -130,23 +115,6 @@ def pdl_mode(device: torch.device) -> int:
 def _launch_kw(device: torch.device) -> dict:
     """Extra launch keywords: launch_pdl only when PDL is active (older Triton lacks it)."""
     return {"launch_pdl": True} if pdl_active(device) else {}
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    # first statement of a PDL kernel: with mode 2 the next kernel may launch right away
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    # wait for the producer grid (and its memory) before touching activations
-    if PDL != 0:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        # let the next PDL-launched kernel start its own weight prefetch as SMs free up
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -346,7 +314,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
                        ONE_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
                        PDL: tl.constexpr):
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     PAIR: tl.constexpr = EPI == 2
@@ -374,7 +342,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         h_hi = tl.minimum(h_lo + K_PER_SPLIT, n_heads)
         # first weight tile in flight before waiting for the producer kernel
         w0 = _w_load(g_rows, h_lo * DV + offs_k, row_mask, offs_k < DV, MASK_N, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         offs_d = tl.arange(0, BLOCK_X)
         for hh in range(h_lo, h_hi):
             base = hh * DV
@@ -401,7 +369,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         if PAIR:
             u0 = _w_load(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
         nw0 = _nw_first(nw_ptr, ks0, ks0 < k_hi, PRO, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         x, inv_rms = _x_first(x_ptr, nw0, ks0, ks0 < k_hi, K, eps, PRO, MASK_K, BLOCK_X, ONE_X)
         acc += w0.to(tl.float32) * x[None, :]
         if PAIR:
@@ -466,7 +434,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
     # same with the attention's heads (DV = head_dim; z_ptr = its q|gate projection, ap_ptr its
     # split partials, A_NS / A_BN / A_DEFER / A_MERGE / A_GROUPS its split count, tile,
     # defer_splits, merge group size and defer_groups).
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
     n_blocks = tl.cdiv(N_OUT, BLOCK_N)
@@ -492,7 +460,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         dd = tl.arange(0, DV)
         off2 = tl.arange(0, NH)[:, None] * DV + dd[None, :]
         nw = tl.load(nw_ptr + dd, eviction_policy="evict_last").to(tl.float32)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         o2 = tl.load(x_ptr + off2, eviction_policy="evict_last")
         zf = tl.load(z_ptr + off2, eviction_policy="evict_last").to(tl.float32)
         act = o2.dtype
@@ -509,7 +477,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         # the position and the q|gate projection (two launches back) are final before the wait
         # in PDL mode 1: the split layout, and the gates when this launch merges
         if PDL == 2:
-            _pdl_wait(PDL)
+            pdl_wait(PDL)
         p_, per_split_, n_active = _attn.split_layout(pos_ptr, A_NS, A_BN)
         if A_GROUPS:
             merged = n_active > 0              # the split partials, or past A_DEFER the groups'
@@ -520,7 +488,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
             g = tl.load(z_ptr + hh * (2 * DV) + DV + dd, eviction_policy="evict_last")
             g = tl.sigmoid(g.to(tl.float32)).to(act).to(tl.float32)
         if PDL != 2:
-            _pdl_wait(PDL)
+            pdl_wait(PDL)
         if merged:
             o = _attn.merge_partials(ap_ptr, hh, dd, n_active, A_NS, NHA, DV, A_DEFER, A_MERGE,
                                      A_GROUPS)
@@ -530,7 +498,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         x = tl.reshape(xo, (BLOCK_K,))
     else:
         nw0 = _nw_first(nw_ptr, ks, k_ok, PRO, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         x, inv_rms = _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
     if PDL == 2:
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
@@ -580,36 +548,6 @@ def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: i
         units = (k // head_dim) if prologue == "gated" else cdiv(k, block_k)
         split_k = max(1, min(MAX_SPLIT_K, cdiv(TARGET_PROGRAMS, programs), units // 2))
     return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
-
-
-DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                 "decode_tuning.json")
-
-
-@lru_cache(maxsize=1)
-def decode_table() -> dict:
-    """{kernel key: entry} from decode_tuning.json (tune_decode.py); {} when absent/broken."""
-    try:
-        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            data = json.load(f)
-        return {str(e["key"]): e for e in data.get("entries", [])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-@lru_cache(maxsize=8)
-def _sm_count_cached(kind: str, index: int) -> int:
-    if kind == "cuda":
-        return int(torch.cuda.get_device_properties(index).multi_processor_count)
-    return 4        # the interpreter: a few "SMs", so tests cover programs striding over blocks
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of `device` (4 for a CPU device under the interpreter)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _sm_count_cached("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    return _sm_count_cached(device.type, 0)
 
 
 def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
@@ -711,14 +649,14 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     attention output, merged here from the split partials at positions where the attention's
     launch left the merge (x = its `out` elsewhere). Block sizes default to fused_plan().
     Never allocates/syncs."""
-    _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in _DTYPES,
+    _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in FLOAT_DTYPES,
             "gemv_fused: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
-    _expect(x.numel() == K and x.is_contiguous() and x.dtype in _DTYPES,
+    _expect(x.numel() == K and x.is_contiguous() and x.dtype in FLOAT_DTYPES,
             f"gemv_fused: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
     _expect(not silu_mul or n_rows % 2 == 0, "gemv_fused: silu_mul needs an even number of rows")
     n_out = n_rows // 2 if silu_mul else n_rows
-    _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in _DTYPES,
+    _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in FLOAT_DTYPES,
             f"gemv_fused: out must be a contiguous float vector of {n_out}")
     dev = out.device
     _expect(x.device == W.device == dev, "gemv_fused: tensors must be on one device")

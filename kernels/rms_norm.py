@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import next_pow2
+from ._common import FLOAT_DTYPES, next_pow2
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -28,12 +27,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str) -> int:
-    if x.dim() not in (1, 2) or not x.is_contiguous() or x.dtype not in _DTYPES:
+    if x.dim() not in (1, 2) or not x.is_contiguous() or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: x must be a contiguous [T, D] or [D] float tensor")
     D = x.shape[-1]
-    if w.dim() != 1 or w.numel() != D or not w.is_contiguous() or w.dtype not in _DTYPES:
+    if w.dim() != 1 or w.numel() != D or not w.is_contiguous() or w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: w must be a contiguous [{D}] float vector")
-    if out.numel() != x.numel() or not out.is_contiguous() or out.dtype not in _DTYPES:
+    if out.numel() != x.numel() or not out.is_contiguous() or out.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: out must be a contiguous float tensor with x's "
                          f"{x.numel()} elements, got {tuple(out.shape)}")
     if not (x.device == w.device == out.device):

@@ -56,11 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait, sm_count
 
 from . import gemv as _gemv
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # layout of the `params` device tensor (float32)
 P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_REPETITION, P_GREEDY = range(7)
@@ -125,7 +124,7 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
                     BLOCK_X: tl.constexpr, ONE_X: tl.constexpr, MASK_N: tl.constexpr,
                     MASK_K: tl.constexpr, PDL: tl.constexpr):
     # PRO = 1: the final zero-centred RMSNorm of h is this GEMV's prologue (rounded to h.dtype)
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < V
@@ -133,7 +132,7 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e
     w0 = _gemv._w_load(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
     nw0 = _gemv._nw_first(nw_ptr, offs_k, offs_k < K, PRO, MASK_K)
-    _gemv._pdl_wait(PDL)
+    pdl_wait(PDL)
     x0, inv_rms = _gemv._x_first(h_ptr, nw0, offs_k, offs_k < K, K, eps, PRO, MASK_K, BLOCK_X,
                                  ONE_X)
     acc = w0.to(tl.float32) * x0[None, :]
@@ -178,7 +177,7 @@ def _lm_head_persistent_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VA
     # Persistent form: a few programs per SM, each normalising h once and then striding over
     # row blocks of whole rows (BLOCK_K >= K), software-pipelined STAGES deep, so the whole
     # launch streams E with several tiles in flight per SM; one key per program.
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,7 +185,7 @@ def _lm_head_persistent_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VA
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N, MASK_K, EVICT)
     nw0 = _gemv._nw_first(nw_ptr, offs_k, k_ok, PRO, MASK_K)
-    _gemv._pdl_wait(PDL)
+    pdl_wait(PDL)
     x, _inv = _gemv._x_first(h_ptr, nw0, offs_k, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
     best = _lm_row_block(logits_ptr, x, rows, V, VALID, w0, MASK_N)
     for b in tl.range(pid + nprog, NB, nprog, num_stages=STAGES):
@@ -203,8 +202,8 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
     # the per-block keys -> token; COUNT: counts[row_offset + token] += 1 (the generated-token
     # row the penalties read); ADVANCE: pos += 1 (the step's last write), and with RING > 0
     # the token also goes to ring[pos % RING] (the host reads it there while later steps run)
-    _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)
+    pdl_start(PDL)
+    pdl_wait(PDL)
     best = tl.full((BLOCK,), _KEY_EMPTY, dtype=tl.int64)
     for i0 in range(0, n, BLOCK):
         offs = i0 + tl.arange(0, BLOCK)
@@ -240,7 +239,7 @@ def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
     decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else ~4K-element tiles of the
     grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
     either form)."""
-    e = _gemv.decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
+    e = decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
     if e is not None:
         try:
             return dict(block_n=int(e["block_n"]), block_k=int(e["block_k"]),
@@ -279,10 +278,10 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     `num_stages` and `evict` (E's loads marked evict-first) complete the plan; unset, they and
     the tile sizes come from lm_head_plan.
     Returns token_out."""
-    if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
+    if E.dim() != 2 or not E.is_contiguous() or E.dtype not in FLOAT_DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
-    if h.numel() != D or not h.is_contiguous() or h.dtype not in _DTYPES:
+    if h.numel() != D or not h.is_contiguous() or h.dtype not in FLOAT_DTYPES:
         raise ValueError(f"lm_head_argmax: h must be a contiguous [{D}] float vector")
     if not 1 <= int(valid_vocab) <= V:
         raise ValueError(f"lm_head_argmax: valid_vocab must be in 1..{V}")
@@ -316,7 +315,7 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
             raise ValueError("lm_head_argmax: all tensors must be on one device")
     if persistent:
         # one key per program; the grid never exceeds the row blocks (sm_count is cached)
-        nkeys = min(nb, persistent * _gemv.sm_count(h.device))
+        nkeys = min(nb, persistent * sm_count(h.device))
         bk = next_pow2(D)
         _lm_head_persistent_kernel[(nkeys,)](
             h, norm_w if norm_w is not None else h, E, logits_out, partials, V, int(valid_vocab),

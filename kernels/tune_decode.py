@@ -25,6 +25,7 @@ import time
 import torch
 import triton
 
+from . import _common
 from . import gemv as G
 from .gdn_decode import gdn_decode_core
 from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
@@ -384,7 +385,7 @@ def bench_step(log, context: int = 256) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=G.DECODE_TABLE_PATH)
+    ap.add_argument("--out", default=_common.DECODE_TABLE_PATH)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true", help="time the fused kernels, no sweep")
     ap.add_argument("--table", default=None, help="read this table instead of the packaged one")
@@ -397,8 +398,8 @@ def main(argv=None) -> int:
         return 2
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.table:
-        G.DECODE_TABLE_PATH = args.table
-        G.decode_table.cache_clear()
+        _common.DECODE_TABLE_PATH = args.table
+        _common.decode_table.cache_clear()
     t0 = time.time()
     if args.bench:
         bw = hbm_read_gb_s()

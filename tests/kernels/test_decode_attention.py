@@ -9,7 +9,7 @@ from tritonchat.kernels.attention_decode import (attention_decode, attention_pla
                                                  groups_deferrable, partials_numel,
                                                  plan_num_splits, tile_positions)
 from tritonchat.kernels.gemv import gemv_fused
-from tritonchat.kernels.hostmath import cdiv
+from tritonchat.kernels._common import cdiv
 from tritonchat.kernels.reference import attention_decode_ref, gemv_fused_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from tritonchat.kernels import _common
 from tritonchat.kernels import gemv as gemv_mod
 from tritonchat.kernels.gdn_decode import gdn_decode_core
 from tritonchat.kernels.gemv import fused_scratch_numel, gemv_fused, gemv_rmsnorm
@@ -773,15 +774,15 @@ def own_table(tmp_path, monkeypatch):
     text); the table's cache is cleared each time and after the test, so later tests read the
     packaged table again."""
     path = tmp_path / "decode_tuning.json"
-    monkeypatch.setattr(gemv_mod, "DECODE_TABLE_PATH", str(path))
+    monkeypatch.setattr(_common, "DECODE_TABLE_PATH", str(path))
 
     def use(text: str):
         path.write_text(text)
-        gemv_mod.decode_table.cache_clear()
+        _common.decode_table.cache_clear()
         return path
 
     yield use
-    gemv_mod.decode_table.cache_clear()
+    _common.decode_table.cache_clear()
 
 
 def test_decode_tuning_table_is_read_and_optional(own_table):
@@ -912,7 +913,7 @@ def test_attention_range_plans_from_the_table(own_table):
 def test_the_packaged_table_has_the_long_context_attention_range():
     """The packaged table's attention plan for long contexts (measured on the H200) is read."""
     from tritonchat.kernels.attention_decode import attention_range_plans
-    gemv_mod.decode_table.cache_clear()
+    _common.decode_table.cache_clear()
     plans = attention_range_plans(8, 2, 256)
     assert [(lo, hi) for lo, hi, _ in plans] == [(22528, None)]
     assert plans[0][2] == dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)

@@ -2,7 +2,7 @@
 from the host in newer Triton versions)."""
 import triton
 
-from tritonchat.kernels.hostmath import cdiv, next_pow2
+from tritonchat.kernels._common import cdiv, next_pow2
 
 
 def test_cdiv_and_next_pow2_equal_tritons():
