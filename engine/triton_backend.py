@@ -434,7 +434,7 @@ class TritonBackend(Backend):
         nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
         self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
                      counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
-                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), **kw)
+                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), pdl=self._pdl, **kw)
 
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
@@ -457,7 +457,8 @@ class TritonBackend(Backend):
                              m.A_log, m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
                              num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
                              head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v,
-                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps)
+                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps,
+                             pdl=self._pdl)
                 self._gemv("gemv_gdn_out_proj_gatednorm", self.gdn_out, m.out_proj, self.h, "gated", "residual",
                            norm_w=m.norm_w, gate=self.gdn_z, head_dim=cfg.linear_value_head_dim,
                            eps=eps, residual=self.h)
@@ -486,7 +487,7 @@ class TritonBackend(Backend):
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, partials, counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, **a_kw)
+                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, pdl=self._pdl, **a_kw)
                 m_kw = {k: a_kw[k] for k in ("num_splits", "block_n", "merge_splits", "defer_groups")
                         if k in a_kw}
                 merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, partials, num_heads=H,
@@ -514,7 +515,7 @@ class TritonBackend(Backend):
                          block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
                          persistent=lm.get("persistent", 0), num_stages=lm.get("num_stages", 1),
                          evict=lm.get("evict", True), counts=self.counts, pos=pos,
-                         ring=self.tok_ring if advance else None)
+                         ring=self.tok_ring if advance else None, pdl=self._pdl)
         else:
             # (the greedy plan's persistent form was measured slower here, 0.646 against 0.618 ms)
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
@@ -528,7 +529,7 @@ class TritonBackend(Backend):
         """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
         from tritonchat.kernels.embedding import embedding_gather
         self._launch("embedding_gather", self.h.numel() * self.h.element_size() * 2, embedding_gather,
-                     self.tok_buf, self.embed, self.h.view(1, -1))
+                     self.tok_buf, self.embed, self.h.view(1, -1), pdl=self._pdl)
         self._layers_step()
         self._head_step(self._sampling_key == "sample", advance=True)
 
@@ -956,9 +957,8 @@ class TritonBackend(Backend):
     def _apply_pdl(self) -> None:
         # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
         # its weights while the previous kernel finishes
-        from tritonchat.kernels import gemv as gemv_mod
-        gemv_mod.USE_PDL = self.options.pdl
-        gemv_mod.PDL_EARLY = self.options.pdl_early
+        from tritonchat.kernels._common import pdl_mode
+        self._pdl = pdl_mode(self.options.pdl, self.options.pdl_early, self.options.device)
 
     def set_max_context(self, n: int) -> None:
         self._drain()

@@ -11,7 +11,7 @@ a CUDA graph and measures whole steps (graph replays back to back, the position 
 same value before every measurement so the attention work is identical). Then, one kernel at a
 time, it swaps that kernel's plan for each candidate, re-captures, and keeps a candidate only
 when the whole step gets faster by more than the noise margin (coordinate descent, two passes
-when the time budget allows). The PDL trigger point (gemv.PDL_EARLY) is measured both ways
+when the time budget allows). The PDL trigger point (the pdl_early option) is measured both ways
 first. The winners are written into the decode table (the launchers read it by key), each entry
 keeping its isolated `us` and the best direct (split_k = 1) form for "split-K off", and the file
 records the step time before and after.
@@ -125,12 +125,12 @@ def main(argv=None) -> int:
     # 1. where a kernel lets the next one launch
     res = {}
     for early in (False, True):
-        G.PDL_EARLY = early
+        be.configure(pdl_early=early)
         res[early] = measure()
         log(f"PDL trigger {'at start' if early else 'after wait'}: {res[early]:.4f} ms/step")
-    G.PDL_EARLY = res[True] < res[False]
+    be.configure(pdl_early=res[True] < res[False])
     base = start_ms = min(res.values())
-    log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), PDL_EARLY={G.PDL_EARLY}")
+    log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), pdl_early={be.options.pdl_early}")
 
     def trial(label: str, apply, restore) -> bool:
         """Measure the step with `apply()`'s plan; keep it only if it beats the current one by
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         e.pop("us", None)           # isolated timings of the plan this one replaced
         e.pop("gb_s", None)
         e["chosen_in_step"] = True
-    data["in_step"] = {"pdl_early": bool(G.PDL_EARLY), "step_ms_before": round(start_ms, 4),
+    data["in_step"] = {"pdl_early": bool(be.options.pdl_early), "step_ms_before": round(start_ms, 4),
                        "step_ms_after": round(final, 4), "pos": args.pos, "margin": args.margin,
                        "only": only, "max_context": args.max_context,
                        "pdl_trigger_ms": {"after_wait": round(res[False], 4), "at_start": round(res[True], 4)},

@@ -43,9 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait
-
-from . import gemv as _gemv
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait)
 
 LOG2E = 1.4426950408889634
 
@@ -572,7 +571,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      num_splits: int, block_n: int | None = None,
                      merge_splits: int | None = None, one_level_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     defer_splits: int = 0, defer_groups: bool = False) -> torch.Tensor:
+                     defer_splits: int = 0, defer_groups: bool = False,
+                     pdl: int = 0) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
@@ -592,8 +592,9 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     defer_groups (with defer_splits = D, when the merge groups number at most D: see
     groups_deferrable): past D active splits the launch merges each group of merge_splits
     splits (its last ticket) and stops at the group partials, which the consumer merges; so no
-    position writes `out` and the group mergers draw no second ticket.
-    Returns out."""
+    position writes `out` and the group mergers draw no second ticket. `pdl`: see
+    _common.pdl_mode. Returns out."""
+    pdl = check_pdl(pdl, "attention_decode")
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -658,6 +659,6 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
         MERGE_TOP=merge_top, ONE_LEVEL=one_level, DEFER=defer, DEFER_GROUPS=defer_groups,
-        DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
-        **({"num_stages": int(num_stages)} if num_stages else {}), **_gemv._launch_kw(qg.device))
+        DOT_PRECISION=dot_precision, PDL=pdl, num_warps=num_warps,
+        **({"num_stages": int(num_stages)} if num_stages else {}), **launch_kw(pdl))
     return out

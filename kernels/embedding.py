@@ -9,9 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, next_pow2, pdl_start, pdl_wait
-
-from . import gemv as _gemv
+from ._common import FLOAT_DTYPES, cdiv, check_pdl, launch_kw, next_pow2, pdl_start, pdl_wait
 
 
 
@@ -29,10 +27,12 @@ def _embedding_gather_kernel(ids_ptr, table_ptr, out_ptr, D, BLOCK_D: tl.constex
     tl.store(out_ptr + t.to(tl.int64) * D + offs, vals.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, *,
+                     pdl: int = 0) -> torch.Tensor:
     """out[t, :] = table[ids[t], :]; ids int32/int64 [T] (or a scalar-shaped [1]) on the device,
     table [V, D] contiguous, out [T, D] contiguous. Ids must lie in [0, V): they are not read
-    on the host, so they cannot be checked here. Returns out."""
+    on the host, so they cannot be checked here. `pdl`: see _common.pdl_mode. Returns out."""
+    pdl = check_pdl(pdl, "embedding_gather")
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
         raise ValueError(f"embedding_gather: ids must be a 1-D int32/int64 tensor, got "
                          f"{ids.dtype} {tuple(ids.shape)}")
@@ -49,6 +49,6 @@ def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) 
         return out
     block_d = min(1024, next_pow2(D))
     _embedding_gather_kernel[(T, cdiv(D, block_d))](
-        ids, table, out, D, BLOCK_D=block_d, PDL=_gemv.pdl_mode(out.device), num_warps=4,
-        **_gemv._launch_kw(out.device))
+        ids, table, out, D, BLOCK_D=block_d, PDL=pdl, num_warps=4,
+        **launch_kw(pdl))
     return out

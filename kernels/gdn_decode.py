@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait)
 
 L2NORM_EPS = 1e-6          # HF l2norm: inside the sqrt, added to the sum of squares
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this, as torch.nn.functional.softplus
@@ -203,7 +204,7 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
                     z_weight: torch.Tensor | None = None, z_x: torch.Tensor | None = None,
                     z_norm_w: torch.Tensor | None = None, z_out: torch.Tensor | None = None,
                     z_eps: float = 1e-6, z_block_n: int | None = None,
-                    z_first: bool | None = None) -> torch.Tensor:
+                    z_first: bool | None = None, pdl: int = 0) -> torch.Tensor:
     """The delta-rule step of one GDN token on the fused in_proj output.
 
     proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv_fused with the
@@ -217,8 +218,10 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     needed before the out_proj and its programs need nothing from the in_proj, so its weights
     stream while the in_proj drains and the recurrence waits (the in_proj reads a quarter fewer
     bytes). Grid: cdiv(Hv*dv, z_block_n) z programs and Hv * cdiv(dv, block_v) recurrence
-    tiles, the z programs first unless z_first is False (both from the decode table)."""
+    tiles, the z programs first unless z_first is False (both from the decode table). `pdl`:
+    see _common.pdl_mode."""
     hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
+    pdl = check_pdl(pdl, "gdn_decode")
     _expect(hk >= 1 and hv >= hk and hv % hk == 0,
             f"num_v_heads ({hv}) must be a multiple of num_k_heads ({hk})")
     conv_dim = 2 * hk * dk + hv * dv
@@ -259,13 +262,12 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     _expect(z_block_n >= 1 and z_block_n & (z_block_n - 1) == 0, "z_block_n must be a power of 2")
     n_core = hv * cdiv(dv, block_v)
     n_z = cdiv(hv * dv, z_block_n) if with_z else 0
-    from .gemv import _launch_kw, pdl_mode
     zt = (z_weight, z_x, z_norm_w, z_out) if with_z else (proj,) * 4   # unused without z
     _gdn_core_kernel[(n_z + n_core,)](
         proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, *zt, float(z_eps), hk, hv,
         ba_off, n_z, DK=dk, DV=dv, GROUP=hv // hk, BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
-        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_mode(state.device),
+        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl,
         Z_ROWS=hv * dv if with_z else 0, ZK=zk, BLOCK_ZN=z_block_n,
         BLOCK_ZK=next_pow2(zk) if with_z else 1, Z_FIRST=z_first,
-        num_warps=num_warps, **_launch_kw(state.device))
+        num_warps=num_warps, **launch_kw(pdl))
     return o_out

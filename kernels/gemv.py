@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from . import attention_decode as _attn
-from ._common import (FLOAT_DTYPES, _sm90_plus, cdiv, decode_table, interpreting, next_pow2,
-                      pdl_start, pdl_wait, sm_count)
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait, sm_count)
 
 # The fallback plans aim at this many programs (H200: 132 SMs, ~2 resident GEMV programs each).
 TARGET_PROGRAMS = 264
@@ -82,40 +82,6 @@ PRO_NONE, PRO_RMS, PRO_GATED, PRO_ATTN = 0, 1, 2, 4
 EPI_PLAIN, EPI_RESIDUAL, EPI_SILU_MUL, EPI_CONV = 0, 1, 2, 3
 _EPILOGUES = {"plain": EPI_PLAIN, "residual": EPI_RESIDUAL, "silu_mul": EPI_SILU_MUL,
               "conv": EPI_CONV}
-
-# Programmatic dependent launch (sm_90+): a PDL-launched kernel issues its weight loads (which no
-# kernel writes), then waits for the previous kernel (gdc_wait) before reading activations.
-# Off until the engine sets gemv.USE_PDL = True. Inactive under the interpreter and on GPUs older
-# than sm_90 whatever the flag says (see pdl_active()). PDL_EARLY picks when a kernel lets the
-# next one launch (gdc_launch_dependents): at its very start (the next kernel's programs become
-# resident and start their weight prefetch while this one still runs; its gdc_wait still waits
-# for this grid to finish and flush) or only after its own wait.
-USE_PDL = False
-PDL_EARLY = False
-
-
-def pdl_active(device: torch.device) -> bool:
-    """Whether kernels launched now on `device` use programmatic dependent launch (cheap: the
-    eager decode path asks at every launch)."""
-    if not USE_PDL or interpreting():
-        return False
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
-    return _sm90_plus(device.type, device.index)
-
-
-def pdl_mode(device: torch.device) -> int:
-    """The kernels' PDL constexpr: 0 off, 1 trigger the next kernel after the wait,
-    2 trigger it at kernel start (PDL_EARLY)."""
-    if not pdl_active(device):
-        return 0
-    return 2 if PDL_EARLY else 1
-
-
-def _launch_kw(device: torch.device) -> dict:
-    """Extra launch keywords: launch_pdl only when PDL is active (older Triton lacks it)."""
-    return {"launch_pdl": True} if pdl_active(device) else {}
-
 
 @triton.jit
 def _rms_inv(v_ptr, n, eps, BLOCK: tl.constexpr):
@@ -633,7 +599,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                split_k: Optional[int] = None, partials: Optional[torch.Tensor] = None,
                counters: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
                block_k: Optional[int] = None, num_warps: Optional[int] = None,
-               persistent: Optional[int] = None, merge=None) -> torch.Tensor:
+               persistent: Optional[int] = None, merge=None, pdl: int = 0) -> torch.Tensor:
     """One fused decode GEMV (see the block comment above); returns out.
 
     Prologue: none; `norm_w` alone = zero-centred RMSNorm of x (norm_w [K]); `norm_w` + `gate`
@@ -648,7 +614,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     ignored). `merge` (attention_decode.DeferredMerge, persistent form only): x is the gated
     attention output, merged here from the split partials at positions where the attention's
     launch left the merge (x = its `out` elsewhere). Block sizes default to fused_plan().
-    Never allocates/syncs."""
+    `pdl`: see _common.pdl_mode. Never allocates/syncs."""
     _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in FLOAT_DTYPES,
             "gemv_fused: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
@@ -750,7 +716,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     res = residual if residual is not None else out
     cs = conv_state if conv_state is not None else out
     cw = conv_w if conv_state is not None else out
-    pdl = pdl_mode(dev)
+    pdl = check_pdl(pdl, "gemv_fused")
     if persistent > 0:
         _expect(pro != PRO_GATED or gated_persistent_ok(K, dv),
                 "gemv_fused: the persistent form takes a gated-norm prologue only when the head "
@@ -768,7 +734,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
             x, zp, norm_w if norm_w is not None else x, W, out, res, cs, cw, ap, pp, n_out, K,
             W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, NPROG=nprog,
             BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl, num_warps=num_warps,
-            **attn_kw, **_launch_kw(dev))
+            **attn_kw, **launch_kw(pdl))
         return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),
@@ -801,7 +767,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= K, MASK_N=n_out % block_n != 0,
-        MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **_launch_kw(dev))
+        MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **launch_kw(pdl))
     return out
 
 

@@ -56,7 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, decode_table, next_pow2, pdl_start, pdl_wait, sm_count
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait, sm_count)
 
 from . import gemv as _gemv
 
@@ -266,7 +267,8 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    num_warps: Optional[int] = None, counts: Optional[torch.Tensor] = None,
                    pos: Optional[torch.Tensor] = None,
                    ring: Optional[torch.Tensor] = None, persistent: Optional[int] = None,
-                   num_stages: Optional[int] = None, evict: Optional[bool] = None) -> torch.Tensor:
+                   num_stages: Optional[int] = None, evict: Optional[bool] = None,
+                   pdl: int = 0) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
@@ -276,8 +278,9 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     chosen; `ring` (int64 [R], with pos): ring[pos % R] = token before the advance.
     `persistent` (programs per SM, 0 = the grid form of one program per row block),
     `num_stages` and `evict` (E's loads marked evict-first) complete the plan; unset, they and
-    the tile sizes come from lm_head_plan.
+    the tile sizes come from lm_head_plan. `pdl`: see _common.pdl_mode.
     Returns token_out."""
+    pdl = check_pdl(pdl, "lm_head_argmax")
     if E.dim() != 2 or not E.is_contiguous() or E.dtype not in FLOAT_DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
@@ -321,8 +324,8 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
             h, norm_w if norm_w is not None else h, E, logits_out, partials, V, int(valid_vocab),
             D, E.stride(0), float(eps), nb, PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
             BLOCK_K=bk, MASK_N=V % block_n != 0, MASK_K=D != bk, STAGES=int(num_stages or 1),
-            EVICT=bool(evict), PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
-            **_gemv._launch_kw(h.device))
+            EVICT=bool(evict), PDL=pdl, num_warps=num_warps,
+            **launch_kw(pdl))
     else:
         nkeys = nb
         block_x = min(1024, next_pow2(D))
@@ -331,15 +334,15 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                                PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
                                BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= D,
                                MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
-                               PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
-                               **_gemv._launch_kw(h.device))
+                               PDL=pdl, num_warps=num_warps,
+                               **launch_kw(pdl))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
     block = min(ARGMAX_BLOCK_MAX, next_pow2(nkeys))
     _argmax_keys_kernel[(1,)](partials, nkeys, token_out, *_count_args(counts, token_out, pos, ring),
                               BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
                               RING=ring.numel() if ring is not None else 0,
-                              PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
-                              **_gemv._launch_kw(h.device))
+                              PDL=pdl, num_warps=16 if block >= 8192 else 4,
+                              **launch_kw(pdl))
     return token_out
 
 

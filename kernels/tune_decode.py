@@ -26,6 +26,7 @@ import torch
 import triton
 
 from . import _common
+from ._common import pdl_mode
 from . import gemv as G
 from .gdn_decode import gdn_decode_core
 from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
@@ -343,35 +344,35 @@ def bench_step(log, context: int = 256) -> int:
     lpart = torch.empty(lm_head_partials_numel(V, lp["block_n"]), device="cuda", dtype=torch.int64)
     sc = dict(partials=part, counters=cnt)
 
-    def step():
+    def step(pm: int):
         for L in layers:
             if L["kind"] == "gdn":
                 G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvba"], proj, conv_state=L["conv_state"],
-                               conv_w=L["conv_w"], **sc)
+                               conv_w=L["conv_w"], pdl=pm, **sc)
                 gdn_decode_core(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
                                 num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, z_weight=L["z_w"],
-                                z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS)
+                                z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS, pdl=pm)
                 G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
-                             eps=EPS, residual=h, **sc)
+                             eps=EPS, residual=h, pdl=pm, **sc)
             else:
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, **sc)
+                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, pdl=pm, **sc)
                 q_n, kv_n = 2 * H * HD, KV * HD
                 attention_decode(aproj[:q_n], aproj[q_n:q_n + kv_n], aproj[q_n + kv_n:],
                                  L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart, acnt,
                                  num_heads=H, num_kv_heads=KV, head_dim=HD, rotary_dim=ROT,
-                                 rope_theta=1e7, eps=EPS, num_splits=splits)
-                G.gemv_fused(aout, L["o_proj"], h, residual=h, **sc)
-            G.gemv_rmsnorm(h, L["post_norm"], EPS, L["gate_up"], act, silu_mul=True, **sc)
-            G.gemv_fused(act, L["down"], h, residual=h, **sc)
-        lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS)
+                                 rope_theta=1e7, eps=EPS, num_splits=splits, pdl=pm)
+                G.gemv_fused(aout, L["o_proj"], h, residual=h, pdl=pm, **sc)
+            G.gemv_rmsnorm(h, L["post_norm"], EPS, L["gate_up"], act, silu_mul=True, pdl=pm, **sc)
+            G.gemv_fused(act, L["down"], h, residual=h, pdl=pm, **sc)
+        lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS, pdl=pm)
 
     for pdl in ([False, True] if torch.cuda.get_device_capability()[0] >= 9 else [False]):
-        G.USE_PDL = pdl
-        step()
+        pm = pdl_mode(pdl, False, "cuda")
+        step(pm)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
+            step(pm)
         for _ in range(3):
             graph.replay()
         ms = replay_ms(graph, 50)
@@ -379,7 +380,6 @@ def bench_step(log, context: int = 256) -> int:
             f"{1e3 / ms:.0f} tok/s; weights {weight_bytes / 1e9:.3f} GB -> "
             f"{weight_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")
         del graph
-    G.USE_PDL = False
     return weight_bytes
 
 

@@ -384,15 +384,15 @@ def test_gpu_attention_cuda_graph_replay():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [False, True], ids=["splits", "groups"])
-def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, groups):
+def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(groups):
     """The engine's short-context form at the 0.8B shape: the attention leaving up to 12 active
     splits to the persistent o_proj, both captured in one CUDA graph with PDL (the o_proj reads
     the position and the gates before its wait), replayed at positions on both sides of the
     limit (768 positions = 12 splits of 64), against the reference attention and o_proj; with
     defer_groups, past the limit the o_proj merges the attention's group partials (2 at 768,
     3 at 1400, 4 at 2000)."""
-    import tritonchat.kernels.gemv as gemv_mod
-    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    from tritonchat.kernels._common import pdl_mode
+    pdl = pdl_mode(True, False, DEVICE)
     H, Hkv, hd, rot, dtype, n_out, defer = 8, 2, 256, 64, torch.bfloat16, 1024, 12
     bn = tile_positions(H, Hkv, hd)
     splits = plan_num_splits(33280, Hkv, block_n=bn)
@@ -412,9 +412,10 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, 
 
     def step():
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, num_splits=splits,
-                         defer_splits=defer, defer_groups=groups, **kw)
+                         defer_splits=defer, defer_groups=groups, pdl=pdl, **kw)
         y.copy_(h0)
-        gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1)
+        gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1,
+                   pdl=pdl)
 
     step()                                  # JIT before capture
     graph = torch.cuda.CUDAGraph()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tritonchat.kernels import _common
+from tritonchat.kernels._common import launch_kw, pdl_mode
 from tritonchat.kernels import gemv as gemv_mod
 from tritonchat.kernels.gdn_decode import gdn_decode_core
 from tritonchat.kernels.gemv import fused_scratch_numel, gemv_fused, gemv_rmsnorm
@@ -485,10 +486,9 @@ def test_gemv_fused_validates():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="interpreter-only check")
-def test_pdl_flag_is_a_no_op_under_the_interpreter(monkeypatch):
-    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
-    assert not gemv_mod.pdl_active(torch.device("cpu"))
-    assert gemv_mod._launch_kw(torch.device("cpu")) == {}
+def test_pdl_switch_is_a_no_op_under_the_interpreter():
+    assert pdl_mode(True, False, "cpu") == 0 and pdl_mode(True, True, "cpu") == 0
+    assert launch_kw(pdl_mode(True, False, "cpu")) == {}
     g = torch.Generator().manual_seed(1)
     h, nw = _vec(64, g), _vec(64, g, 0.2)
     W = _vec(16 * 64, g, 0.125).view(16, 64)
@@ -703,8 +703,8 @@ def test_gpu_lm_head_final_norm_model_shape():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("z_in_core", [False, True], ids=["z_in_proj", "z_in_core"])
-def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch, z_in_core):
-    """With USE_PDL on (sm_90+), a CUDA graph of the fused GDN + MLP sequence replays to the
+def test_gpu_pdl_and_graph_replay_match_eager(z_in_core):
+    """With PDL on (sm_90+), a CUDA graph of the fused GDN + MLP sequence replays to the
     same bits as eager launches without PDL. z_in_core: the engine's form, whose z programs
     read h before their PDL wait (h's writer, the down GEMV, is two launches back)."""
     dt = torch.bfloat16
@@ -730,30 +730,30 @@ def test_gpu_pdl_and_graph_replay_match_eager(monkeypatch, z_in_core):
     gate = torch.empty(hv * dv, device=DEVICE, dtype=dt) if z_in_core else \
         bufs["proj"][conv_dim:conv_dim + hv * dv]
 
-    def step(h, cs, st):
+    def step(h, cs, st, pdl=0):
         gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=cs,
-                     conv_w=L["conv_w"], partials=part, counters=cnt)
+                     conv_w=L["conv_w"], partials=part, counters=cnt, pdl=pdl)
         zkw = dict(z_weight=z_w, z_x=h, z_norm_w=L["input_norm"], z_out=gate, z_eps=EPS) \
             if z_in_core else {}
         gdn_decode_core(proj, L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
-                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **zkw)
+                        num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, pdl=pdl, **zkw)
         gemv_fused(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"], gate=gate, head_dim=dv,
-                   eps=EPS, residual=h, partials=part, counters=cnt)
+                   eps=EPS, residual=h, partials=part, counters=cnt, pdl=pdl)
         gemv_rmsnorm(h, post, EPS, gate_up, bufs["act"], silu_mul=True, partials=part,
-                     counters=cnt)
-        gemv_fused(bufs["act"], down, h, residual=h, partials=part, counters=cnt)
+                     counters=cnt, pdl=pdl)
+        gemv_fused(bufs["act"], down, h, residual=h, partials=part, counters=cnt, pdl=pdl)
 
     eager = [h0.clone(), cs0.clone(), st0.clone()]
     for _ in range(3):
         step(*eager)
-    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    pdl = pdl_mode(True, False, DEVICE)
     graphed = [h0.clone(), cs0.clone(), st0.clone()]
     warm = [t.clone() for t in graphed]
-    step(*warm)                                   # compile outside the capture
+    step(*warm, pdl=pdl)                          # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(*graphed)
+        step(*graphed, pdl=pdl)
     for t, t0 in zip(graphed, (h0, cs0, st0)):
         t.copy_(t0)
     for _ in range(3):
