@@ -96,7 +96,7 @@ def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]
 
 
 def per_site(events: list[tuple[str, float, float]], sites: list[str], steps: int) -> Optional[list[dict]]:
-    """Per call site (the engine's names: gemv_mlp_down, gdn_decode_core, ...), from `steps`
+    """Per call site (the engine's names: gemv_mlp_down, gdn_decode, ...), from `steps`
     steps of kernel events: its kernels' summed durations per step (overlap under programmatic
     dependent launch counted in each kernel) and its share of the critical path (each kernel's
     end minus the later of its start and the previous kernel's end: these shares sum to the

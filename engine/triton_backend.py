@@ -141,7 +141,7 @@ class TritonBackend(Backend):
         self._progress = progress
         self._pack_weights(weights)
         self._allocate(options.max_context)
-        self._gdn_block_v = None                  # from the tuned table (gdn_decode_core default)
+        self._gdn_block_v = None                  # from the tuned table (gdn_decode default)
         self._graph = None                        # the decode graph last replayed
         self._graphs: Optional[list] = None       # one captured decode step per context range
         self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
@@ -308,16 +308,16 @@ class TritonBackend(Backend):
             if key in self._fplans:
                 return
             self._plan_names[key] = name
-            p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
+            p = G.plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
             self._fplans[key] = p
-            rps = (G.fused_range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
+            rps = (G.range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
                                        split_k_enabled=enabled) if self._context_ranges else [])
             if rps:
                 # each plan from the previous range's bound (or 0) to its own
                 range_plans[key] = [(lo, below, rp) for lo, (below, rp)
                                     in zip([0] + [b for b, _ in rps], rps)]
             for q in [p] + [rp for _, rp in rps]:
-                np_, nc = G.fused_scratch_numel(n_out, q, epilogue == "silu_mul")
+                np_, nc = G.scratch_numel(n_out, q, epilogue == "silu_mul")
                 need_p, need_c = max(need_p, np_), max(need_c, nc)
 
         for L in self.layers:
@@ -429,10 +429,10 @@ class TritonBackend(Backend):
 
     def _gemv(self, name: str, x, W, out, prologue: str = "none", epilogue: str = "plain", **kw):
         """One fused decode GEMV (RMSNorm / gated-norm prologue; residual / SiLU*up / conv epilogue)."""
-        from tritonchat.kernels.gemv import gemv_fused
+        from tritonchat.kernels.gemv import gemv
         p = self._plans_now[(tuple(W.shape), prologue, epilogue)]
         nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
-        self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
+        self._launch(name, nbytes, gemv, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
                      counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
                      num_warps=p["num_warps"], persistent=p.get("persistent", 0), pdl=self._pdl, **kw)
 
@@ -441,7 +441,7 @@ class TritonBackend(Backend):
         GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
         from tritonchat.kernels.attention_decode import (attention_decode, deferred_merge,
                                                          groups_deferrable)
-        from tritonchat.kernels.gdn_decode import gdn_decode_core
+        from tritonchat.kernels.gdn_decode import gdn_decode
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
             m = L.mixer
@@ -453,7 +453,7 @@ class TritonBackend(Backend):
                 # the recurrence, and in programs of the same launch z = in_proj_z @ norm(h)
                 # (needed only by the out_proj; its rows stream while the recurrence waits)
                 zb = m.z_w.numel() * m.z_w.element_size()
-                self._launch("gdn_decode_core", rec.numel() * 4 * 2 + zb, gdn_decode_core, self.gdn_proj,
+                self._launch("gdn_decode", rec.numel() * 4 * 2 + zb, gdn_decode, self.gdn_proj,
                              m.A_log, m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
                              num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
                              head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v,

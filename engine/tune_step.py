@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                 (rows, k), pro, epi = key
                 n_out = rows // 2 if epi == "silu_mul" else rows
                 hd = cfg.linear_value_head_dim if pro == "gated" else 0
-                name = G.fused_key(n_out, k, pro, epi)
+                name = G.plan_key(n_out, k, pro, epi)
                 if not wanted(name):
                     continue
                 for cand in _gemv_candidates(n_out, k, pro, hd, epi == "silu_mul"):

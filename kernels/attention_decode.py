@@ -587,7 +587,7 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     merge_splits), num_warps and num_stages (the software pipelining of the K/V tile loop)
     default to the decode table's plan for the shape (attention_plan), else to sizes chosen
     here. defer_splits = D > 0: at positions with at most D active splits the launch stops at
-    the split partials and leaves `out` alone; its consumer merges them (gemv_fused with
+    the split partials and leaves `out` alone; its consumer merges them (gemv with
     merge=DeferredMerge(...), the o_proj's prologue), which also applies the output gate.
     defer_groups (with defer_splits = D, when the merge groups number at most D: see
     groups_deferrable): past D active splits the launch merges each group of merge_splits

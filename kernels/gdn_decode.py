@@ -60,7 +60,7 @@ def _expect(cond: bool, msg: str) -> None:
 #   while the in_proj drains and the recurrence tiles wait for it.
 
 @triton.jit
-def _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
+def _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
                    HK, HV, BA_OFF, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                    L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr, PDL: tl.constexpr):
@@ -141,7 +141,7 @@ def _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, eps, zp, Z_ROWS: tl.constexpr, ZK: t
 
 
 @triton.jit
-def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale,
+def _gdn_decode_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale,
                      zw_ptr, zx_ptr, znw_ptr, z_ptr, z_eps,
                      HK, HV, BA_OFF, N_Z, DK: tl.constexpr, DV: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -163,15 +163,15 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
             _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, z_eps, zp, Z_ROWS, ZK, BLOCK_ZN, BLOCK_ZK,
                     PDL)
         else:
-            _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
+            _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
                            HK, HV, BA_OFF, DK, DV, GROUP, BLOCK_K, BLOCK_V, L2_EPS, SP_THRESHOLD,
                            PDL)
     else:
-        _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, pid,
+        _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, pid,
                        HK, HV, BA_OFF, DK, DV, GROUP, BLOCK_K, BLOCK_V, L2_EPS, SP_THRESHOLD, PDL)
 
 
-def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
+def default_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
     """Default BLOCK_V: about target_programs programs, tiles of 16..next_pow2(dv) columns
     (decode_tuning.json overrides it)."""
     full = next_pow2(int(head_v_dim))
@@ -179,7 +179,7 @@ def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) 
     return min(full, max(16, full // tiles))
 
 
-def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
+def _plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
     """(block_v, num_warps, z_block_n, z_first) from the decode table, else the defaults."""
     e = decode_table().get(f"gdn_core:{hv}x{dk}x{dv}")
     bv = next_pow2(dv)
@@ -193,11 +193,11 @@ def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
             return min(int(e["block_v"]), bv), int(e["num_warps"]), z_bn, z_first
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
-    block_v = core_block_v(dv, hv)
+    block_v = default_block_v(dv, hv)
     return block_v, max(1, min(8, next_pow2(dk) * block_v // 512)), z_bn, z_first
 
 
-def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+def gdn_decode(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     state: torch.Tensor, o_out: torch.Tensor, *, num_k_heads: int,
                     num_v_heads: int, head_k_dim: int, head_v_dim: int,
                     block_v: int | None = None, num_warps: int | None = None,
@@ -207,7 +207,7 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
                     z_first: bool | None = None, pdl: int = 0) -> torch.Tensor:
     """The delta-rule step of one GDN token on the fused in_proj output.
 
-    proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv_fused with the
+    proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv with the
     conv epilogue writes), A_log, dt_bias [Hv], state float32 [Hv, dk, dv] (updated in place),
     o_out [Hv*dv] (the core output, rounded to o_out.dtype; the gated norm is the out_proj
     prologue's). Returns o_out.
@@ -253,7 +253,7 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     else:
         _expect(z_x is None and z_norm_w is None and z_out is None,
                 "z_x, z_norm_w and z_out need z_weight")
-    bv_plan, nw_plan, zbn_plan, zf_plan = _core_plan(hv, dk, dv)
+    bv_plan, nw_plan, zbn_plan, zf_plan = _plan(hv, dk, dv)
     block_v = int(block_v or bv_plan)
     num_warps = int(num_warps or nw_plan)
     z_block_n = int(z_block_n or zbn_plan)
@@ -263,7 +263,7 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     n_core = hv * cdiv(dv, block_v)
     n_z = cdiv(hv * dv, z_block_n) if with_z else 0
     zt = (z_weight, z_x, z_norm_w, z_out) if with_z else (proj,) * 4   # unused without z
-    _gdn_core_kernel[(n_z + n_core,)](
+    _gdn_decode_kernel[(n_z + n_core,)](
         proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, *zt, float(z_eps), hk, hv,
         ba_off, n_z, DK=dk, DV=dv, GROUP=hv // hk, BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
         L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl,

@@ -18,7 +18,7 @@ the shapes whose row grid is too small to fill the GPU, reduced in-kernel in a f
 atomics on the data: bit-reproducible run to run).
 
 Block sizes come from `decode_tuning.json` (written by the decode tuners, engine/tuning/) keyed
-by shape, prologue and epilogue, with a heuristic fallback for other shapes; `fused_plan()` is
+by shape, prologue and epilogue, with a heuristic fallback for other shapes; `plan()` is
 what the engine calls at load.
 """
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _col(t, jj, j: tl.constexpr):
 
 
 @triton.jit
-def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2, s_nxt,
+def _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2, s_nxt,
                     EPI: tl.constexpr, KW: tl.constexpr):
     # r, w2, s2, s_nxt: _epi_pre's loads for these rows
     out_ty = out_ptr.dtype.element_ty
@@ -272,7 +272,7 @@ def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r,
 
 
 @triton.jit
-def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+def _gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
                        conv_w_ptr, part_ptr, cnt_ptr,
                        N_OUT, K, stride_w, eps, K_PER_SPLIT, CONV_DIM,
                        PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
@@ -354,7 +354,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                     CONV_DIM, EPI, KW, BLOCK_N)
     if SPLIT_K == 1:
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+        _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
     else:
         n_part = N_OUT * (2 if PAIR else 1)       # partial rows per split
@@ -376,13 +376,13 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                                   other=0.0, cache_modifier=".cg")
             r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                         CONV_DIM, EPI, KW, BLOCK_N)
-            _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
+            _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
                             s2, s_nxt, EPI, KW)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
 
 
 @triton.jit
-def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+def _gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
                                   conv_w_ptr, ap_ptr, pos_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
                                   PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
                                   KW: tl.constexpr, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -415,7 +415,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
                         k_ok, True, MASK_K)
     # the first row block's epilogue inputs before the wait (PDL mode 1: their writers are
-    # complete; see _fused_gemv_kernel), the later blocks' one block ahead in the loop
+    # complete; see _gemv_kernel), the later blocks' one block ahead in the loop
     if PDL != 2:
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                     CONV_DIM, EPI, KW, BLOCK_N)
@@ -486,7 +486,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         up = y
         if PAIR:
             up = tl.sum(u_cur.to(tl.float32) * x[None, :], axis=1)
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+        _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
         w_cur = w_nxt
         u_cur = u_nxt
@@ -499,7 +499,7 @@ def gated_persistent_ok(k: int, head_dim: int) -> bool:
             and (k // head_dim) & (k // head_dim - 1) == 0)
 
 
-def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
+def heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
                          silu_mul: bool = False) -> dict:
     """Fallback launch plan for a fused GEMV: dict(split_k, block_n, block_k, num_warps)."""
     if prologue == "gated":
@@ -516,7 +516,7 @@ def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: i
     return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
 
 
-def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
+def plan_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
     """Table key of a fused GEMV: e.g. 'gemv:8224x1024:rms:conv'."""
     return f"gemv:{n_out}x{k}:{prologue}:{epilogue}"
 
@@ -528,11 +528,11 @@ def _fits(p: dict, k: int, prologue: str, head_dim: int) -> bool:
         p["persistent"] and gated_persistent_ok(k, head_dim))
 
 
-def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+def plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
                head_dim: int = 0, split_k_enabled: bool = True) -> dict:
-    """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan.
+    """Launch plan of a fused GEMV from decode_tuning.json, else heuristic_plan.
     split_k_enabled=False gives the best direct (split_k = 1) form the tuner measured."""
-    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    e = decode_table().get(plan_key(n_out, k, prologue, epilogue))
     if e is not None:
         try:
             p = dict(split_k=int(e["split_k"]), block_n=int(e["block_n"]),
@@ -546,22 +546,22 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
                 return p
         except (KeyError, TypeError, ValueError):
             pass
-    p = fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
+    p = heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
     if not split_k_enabled and p["split_k"] > 1:
         # direct form: narrow row blocks so the grid still covers the SMs
         p = dict(p, split_k=1, block_n=max(1, min(p["block_n"], next_pow2(max(1, n_out // TARGET_PROGRAMS)))))
     return p
 
 
-def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+def range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
                       head_dim: int = 0, split_k_enabled: bool = True) -> list[tuple[int, dict]]:
     """[(below, plan)], ascending: the plans the step measured faster than the entry's own for
     contexts shorter than `below` positions (decode_tuning.json, the entry's `context_ranges`;
     the engine captures one decode graph per range, engine/triton_backend.py). A plan applies
     from the previous range's `below` (or 0) up to its own. [] without such ranges; a range
     that is malformed, repeats a bound, splits K with split-K off or does not fit the shape
-    (as fused_plan checks the entry's own plan) is left out."""
-    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    (as plan checks the entry's own plan) is left out."""
+    e = decode_table().get(plan_key(n_out, k, prologue, epilogue))
     if e is None or not isinstance(e.get("context_ranges"), list):
         return []
     out: dict[int, dict] = {}
@@ -582,7 +582,7 @@ def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str 
     return sorted(out.items())
 
 
-def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
+def scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
     """(fp32 partials, int32 counters) elements a split-K fused launch needs (0, 0 if none).
     The counters must be zeroed once at allocation; the kernel leaves them at zero."""
     s = int(plan_["split_k"])
@@ -591,7 +591,7 @@ def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tupl
     return s * n_out * (2 if silu_mul else 1), cdiv(n_out, int(plan_["block_n"]))
 
 
-def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
+def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
                gate: Optional[torch.Tensor] = None, head_dim: int = 0,
                residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
@@ -609,91 +609,91 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     first C rows (state updated in place). The norm is rounded to x.dtype, the conv to
     out.dtype.
     split_k > 1 needs `partials` (fp32) and `counters` (int32, zeroed once) of
-    fused_scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
+    scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
     P programs per SM stride over the row blocks, each row's whole K one tile (block_k is
     ignored). `merge` (attention_decode.DeferredMerge, persistent form only): x is the gated
     attention output, merged here from the split partials at positions where the attention's
-    launch left the merge (x = its `out` elsewhere). Block sizes default to fused_plan().
+    launch left the merge (x = its `out` elsewhere). Block sizes default to plan().
     `pdl`: see _common.pdl_mode. Never allocates/syncs."""
     _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in FLOAT_DTYPES,
-            "gemv_fused: W must be a contiguous [N, K] float matrix")
+            "gemv: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
     _expect(x.numel() == K and x.is_contiguous() and x.dtype in FLOAT_DTYPES,
-            f"gemv_fused: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
-    _expect(not silu_mul or n_rows % 2 == 0, "gemv_fused: silu_mul needs an even number of rows")
+            f"gemv: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
+    _expect(not silu_mul or n_rows % 2 == 0, "gemv: silu_mul needs an even number of rows")
     n_out = n_rows // 2 if silu_mul else n_rows
     _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in FLOAT_DTYPES,
-            f"gemv_fused: out must be a contiguous float vector of {n_out}")
+            f"gemv: out must be a contiguous float vector of {n_out}")
     dev = out.device
-    _expect(x.device == W.device == dev, "gemv_fused: tensors must be on one device")
+    _expect(x.device == W.device == dev, "gemv: tensors must be on one device")
 
     pro_name, pro = "none", PRO_NONE
     dv = 1
     if merge is not None:
         dv, nh = int(merge.head_dim), int(merge.num_heads)
         _expect(gate is None and norm_w is None and conv_state is None and not silu_mul,
-                "gemv_fused: the attention merge is a prologue of its own")
+                "gemv: the attention merge is a prologue of its own")
         _expect(nh * dv == K and dv & (dv - 1) == 0 and nh & (nh - 1) == 0,
-                f"gemv_fused: the merge needs K = heads x head_dim, both powers of two (K={K})")
+                f"gemv: the merge needs K = heads x head_dim, both powers of two (K={K})")
         _expect(merge.qg.numel() == 2 * K and merge.qg.is_contiguous() and merge.qg.device == dev,
-                f"gemv_fused: the merge's q|gate projection must hold {2 * K} values")
+                f"gemv: the merge's q|gate projection must hold {2 * K} values")
         _expect(merge.pos.numel() == 1 and merge.pos.dtype in (torch.int32, torch.int64)
-                and merge.pos.device == dev, "gemv_fused: the merge's pos must be one device int")
+                and merge.pos.device == dev, "gemv: the merge's pos must be one device int")
         ms = int(merge.merge_splits)
-        _expect(ms >= 1 and ms & (ms - 1) == 0, "gemv_fused: the merge's merge_splits must be a "
+        _expect(ms >= 1 and ms & (ms - 1) == 0, "gemv: the merge's merge_splits must be a "
                 "power of two")
         need = _attn.partials_numel(nh, dv, int(merge.num_splits), ms)
         _expect(merge.partials.dtype == torch.float32 and merge.partials.is_contiguous()
                 and merge.partials.numel() >= need and merge.partials.device == dev,
-                f"gemv_fused: the merge's partials must be float32 with >= {need} elements")
+                f"gemv: the merge's partials must be float32 with >= {need} elements")
         _expect(0 <= int(merge.defer_splits) <= _attn.MAX_DEFER and int(merge.block_n) >= 1,
-                "gemv_fused: the merge's defer_splits / block_n are out of range")
+                "gemv: the merge's defer_splits / block_n are out of range")
         _expect(not merge.defer_groups
                 or _attn.groups_deferrable(int(merge.num_splits), int(merge.defer_splits), ms),
-                "gemv_fused: the merge's groups outnumber its defer_splits")
+                "gemv: the merge's groups outnumber its defer_splits")
         _expect(persistent is None or int(persistent) > 0,
-                "gemv_fused: the attention merge runs in the persistent form")
-        _expect(split_k in (None, 1), "gemv_fused: the attention merge takes no split-K")
+                "gemv: the attention merge runs in the persistent form")
+        _expect(split_k in (None, 1), "gemv: the attention merge takes no split-K")
         persistent = 1 if persistent is None else persistent
         split_k = 1
         pro_name, pro = "attn", PRO_ATTN
     elif gate is not None:
         dv = int(head_dim)
         _expect(norm_w is not None and dv >= 1 and K % dv == 0,
-                "gemv_fused: the gated norm needs norm_w and a head_dim dividing K")
+                "gemv: the gated norm needs norm_w and a head_dim dividing K")
         _expect(gate.numel() == K and gate.is_contiguous() and gate.dtype == x.dtype
-                and gate.device == dev, f"gemv_fused: gate must be a contiguous [{K}] like x")
+                and gate.device == dev, f"gemv: gate must be a contiguous [{K}] like x")
         _expect(norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.device == dev,
-                f"gemv_fused: the gated norm weight must hold head_dim={dv} values")
+                f"gemv: the gated norm weight must hold head_dim={dv} values")
         pro_name, pro = "gated", PRO_GATED
     elif norm_w is not None:
         _expect(norm_w.numel() == K and norm_w.is_contiguous() and norm_w.device == dev,
-                f"gemv_fused: norm_w must be a contiguous [{K}] vector")
+                f"gemv: norm_w must be a contiguous [{K}] vector")
         pro_name, pro = "rms", PRO_RMS
 
     modes = [residual is not None, bool(silu_mul), conv_state is not None]
-    _expect(sum(modes) <= 1, "gemv_fused: choose at most one of residual, silu_mul, conv")
+    _expect(sum(modes) <= 1, "gemv: choose at most one of residual, silu_mul, conv")
     epi_name = ("residual" if modes[0] else "silu_mul" if modes[1]
                 else "conv" if modes[2] else "plain")
     epi = _EPILOGUES[epi_name]
     kw, conv_dim = 2, 0
     if residual is not None:
         _expect(residual.numel() == n_out and residual.is_contiguous() and residual.device == dev,
-                f"gemv_fused: residual must be a contiguous [{n_out}] vector")
+                f"gemv: residual must be a contiguous [{n_out}] vector")
     if conv_state is not None:
-        _expect(conv_w is not None, "gemv_fused: the conv epilogue needs conv_w")
+        _expect(conv_w is not None, "gemv: the conv epilogue needs conv_w")
         if conv_w.dim() == 3 and conv_w.shape[1] == 1:
             conv_w = conv_w.view(conv_w.shape[0], conv_w.shape[2])
         _expect(conv_w.dim() == 2 and conv_w.is_contiguous() and conv_w.shape[1] >= 2,
-                "gemv_fused: conv_w must be a contiguous [C, Kc] matrix with Kc >= 2")
+                "gemv: conv_w must be a contiguous [C, Kc] matrix with Kc >= 2")
         conv_dim, kw = conv_w.shape
-        _expect(conv_dim <= n_out, "gemv_fused: more conv channels than output rows")
+        _expect(conv_dim <= n_out, "gemv: more conv channels than output rows")
         _expect(tuple(conv_state.shape) == (conv_dim, kw - 1) and conv_state.is_contiguous()
                 and conv_state.device == dev and conv_w.device == dev,
-                f"gemv_fused: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
+                f"gemv: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
 
     if None in (split_k, block_n, block_k, num_warps, persistent):
-        p = fused_plan(n_out, K, pro_name, epi_name, dv)
+        p = plan(n_out, K, pro_name, epi_name, dv)
     else:
         p = {}                                   # the caller (the engine) passes the whole plan
     if persistent is None:
@@ -703,25 +703,25 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     if not persistent and p.get("persistent", 0):
         # the plan is the persistent form but the caller asked for the grid form (a split
         # count or tile of its own): the grid form's tiles, not the persistent ones
-        p = fused_heuristic_plan(n_out, K, pro_name, dv, bool(silu_mul))
+        p = heuristic_plan(n_out, K, pro_name, dv, bool(silu_mul))
     split_k = int(p["split_k"] if split_k is None else split_k)
     block_n = int(block_n or p["block_n"])
     block_k = int(block_k or p["block_k"])
     num_warps = int(num_warps or p["num_warps"])
-    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv_fused: block_n must be a power of 2")
+    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv: block_n must be a power of 2")
     _expect(block_k >= 16 and block_k & (block_k - 1) == 0,
-            "gemv_fused: block_k must be a power of 2 >= 16")
-    _expect(1 <= split_k <= 64, "gemv_fused: split_k must be in 1..64")
+            "gemv: block_k must be a power of 2 >= 16")
+    _expect(1 <= split_k <= 64, "gemv: split_k must be in 1..64")
     n_blocks = cdiv(n_out, block_n)
     res = residual if residual is not None else out
     cs = conv_state if conv_state is not None else out
     cw = conv_w if conv_state is not None else out
-    pdl = check_pdl(pdl, "gemv_fused")
+    pdl = check_pdl(pdl, "gemv")
     if persistent > 0:
         _expect(pro != PRO_GATED or gated_persistent_ok(K, dv),
-                "gemv_fused: the persistent form takes a gated-norm prologue only when the head "
+                "gemv: the persistent form takes a gated-norm prologue only when the head "
                 "size and the head count are powers of two")
-        _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
+        _expect(split_k == 1, "gemv: the persistent form is the direct (split_k = 1) form")
         bk = max(16, next_pow2(K))
         nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
         zp = merge.qg if merge is not None else gate if gate is not None else x
@@ -730,7 +730,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                         A_DEFER=int(merge.defer_splits), A_MERGE=int(merge.merge_splits),
                         A_GROUPS=bool(merge.defer_groups)) if merge is not None
                    else dict(A_NS=1, A_BN=1, A_DEFER=0, A_MERGE=1, A_GROUPS=False))
-        _fused_gemv_persistent_kernel[(nprog,)](
+        _gemv_persistent_kernel[(nprog,)](
             x, zp, norm_w if norm_w is not None else x, W, out, res, cs, cw, ap, pp, n_out, K,
             W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, NPROG=nprog,
             BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl, num_warps=num_warps,
@@ -738,7 +738,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),
-                "gemv_fused: with the gated norm block_k must not exceed the head size")
+                "gemv: with the gated norm block_k must not exceed the head size")
         units = K // dv                                    # splits own whole heads
         per_split = cdiv(units, split_k)
         mask_k = dv % block_k != 0
@@ -750,28 +750,22 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     grid_s = cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
     part, cnt = out, out                     # dummies, never touched when SPLIT_K == 1
     if grid_s > 1:
-        need_p, need_c = fused_scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
+        need_p, need_c = scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
                                              bool(silu_mul))
         _expect(partials is not None and partials.dtype == torch.float32
                 and partials.is_contiguous() and partials.numel() >= need_p
                 and partials.device == dev,
-                f"gemv_fused: split_k={split_k} needs fp32 partials of >= {need_p} elements")
+                f"gemv: split_k={split_k} needs fp32 partials of >= {need_p} elements")
         _expect(counters is not None and counters.dtype == torch.int32
                 and counters.is_contiguous() and counters.numel() >= need_c
                 and counters.device == dev,
-                f"gemv_fused: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
+                f"gemv: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
         part, cnt = partials, counters
     z = gate if gate is not None else x
     nw = norm_w if norm_w is not None else x
-    _fused_gemv_kernel[(n_blocks, grid_s)](
+    _gemv_kernel[(n_blocks, grid_s)](
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= K, MASK_N=n_out % block_n != 0,
         MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **launch_kw(pdl))
     return out
-
-
-def gemv_rmsnorm(h: torch.Tensor, norm_w: torch.Tensor, eps: float, W: torch.Tensor,
-                 out: torch.Tensor, **kw) -> torch.Tensor:
-    """out = W @ round(rms_norm_zc(h, norm_w)) with any gemv_fused epilogue (**kw)."""
-    return gemv_fused(h, W, out, norm_w=norm_w, eps=eps, **kw)

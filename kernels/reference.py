@@ -32,7 +32,7 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float,
     return y.to(out_dtype or x.dtype)
 
 
-def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
+def matvec_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
              silu_mul: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """W @ x [+ residual] or silu(Wg x) * (Wu x), fp32, rounded once to out_dtype."""
     y = W.float() @ x.reshape(-1).float()
@@ -56,7 +56,7 @@ def _gdn_qkv_heads(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
     return q.repeat_interleave(group, 0), k.repeat_interleave(group, 0), v
 
 
-def gdn_decode_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, *,
+def gdn_mixer_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, *,
                    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                    eps: float):
     """One Gated DeltaNet token: returns (out [Hv*dv], new conv_state, new state)."""
@@ -187,7 +187,7 @@ def sample_from_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor, *
 
 
 # ------------------------------------------------------------------------------------------
-# v2 fused decode operators (gemv.gemv_fused, gdn_decode.gdn_decode_core)
+# v2 fused decode operators (gemv.gemv, gdn_decode.gdn_decode)
 # ------------------------------------------------------------------------------------------
 
 def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
@@ -211,13 +211,13 @@ def conv_step_ref(m: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tenso
     return y, torch.cat([conv_state[:, 1:], m[:, None].to(conv_state.dtype)], dim=1)
 
 
-def gemv_fused_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.Tensor] = None,
+def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.Tensor] = None,
                    eps: float = 1e-6, gate: Optional[torch.Tensor] = None, head_dim: int = 0,
                    residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                    conv_state: Optional[torch.Tensor] = None,
                    conv_w: Optional[torch.Tensor] = None,
                    out_dtype: Optional[torch.dtype] = None):
-    """The unfused sequence gemv_fused replaces: norm (rounded to x.dtype) -> gemv_ref (rounded
+    """The unfused sequence gemv replaces: norm (rounded to x.dtype) -> matvec_ref (rounded
     to out_dtype) -> conv step on the first C rows. Returns (out, new conv_state or None)."""
     dt = out_dtype or x.dtype
     x = x.reshape(-1)
@@ -225,7 +225,7 @@ def gemv_fused_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.T
         x = gated_rms_norm_ref(x, gate.reshape(-1), norm_w, eps, head_dim)
     elif norm_w is not None:
         x = rms_norm_ref(x, norm_w, eps)
-    y = gemv_ref(x, W, residual=residual, silu_mul=silu_mul, out_dtype=dt)
+    y = matvec_ref(x, W, residual=residual, silu_mul=silu_mul, out_dtype=dt)
     if conv_state is None:
         return y, None
     c = conv_state.shape[0]
@@ -233,7 +233,7 @@ def gemv_fused_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.T
     return torch.cat([conv_y, y[c:]]), new_state
 
 
-def gdn_decode_core_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_heads: int,
+def gdn_decode_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_heads: int,
                         num_v_heads: int, head_k_dim: int, head_v_dim: int):
     """The GDN recurrence of one token from the fused in_proj output proj = [conv output
     (q|k|v, already conv+SiLU) | z | b | a]: returns (o [Hv*dv] rounded to proj.dtype, new

@@ -4,10 +4,10 @@
     python -m tritonchat.kernels.tune_decode --bench [--table kernels/decode_tuning.json]
 
 The sweep times every fused GEMV of the 0.8B decode step at its true shape and epilogue over
-(block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode_core, each
+(block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode, each
 config replayed in a CUDA graph (`do_bench_cudagraph`: the engine replays the step in a graph,
-so host launch cost must not count). The launchers read the winners by key (gemv.fused_plan,
-gdn_decode._core_plan, sampling.lm_head_plan) and fall back to heuristics for missing keys.
+so host launch cost must not count). The launchers read the winners by key (gemv.plan,
+gdn_decode._plan, sampling.lm_head_plan) and fall back to heuristics for missing keys.
 --quick (< 4 minutes, compiles included) sweeps a narrower grid.
 
 --bench prints µs and GB/s of every fused kernel at the true shapes with the plans the
@@ -28,7 +28,7 @@ import triton
 from . import _common
 from ._common import pdl_mode
 from . import gemv as G
-from .gdn_decode import gdn_decode_core
+from .gdn_decode import gdn_decode
 from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
 
 # the 0.8B text model (docs/qwen35-text-model.md section 1)
@@ -44,17 +44,17 @@ DT = torch.bfloat16
 
 # (key, n_out, k, prologue, epilogue, what)
 GEMVS = [
-    (G.fused_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
+    (G.plan_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
      "GDN in_proj qkv|b|a + input norm + causal conv"),
-    (G.fused_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
+    (G.plan_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
      "attention q|k|v + input norm"),
-    (G.fused_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
+    (G.plan_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
      "MLP gate|up + post norm + SiLU*mul"),
-    (G.fused_key(D, HV * DV, "gated", "residual"), D, HV * DV, "gated", "residual",
+    (G.plan_key(D, HV * DV, "gated", "residual"), D, HV * DV, "gated", "residual",
      "GDN out_proj + gated norm + residual"),
-    (G.fused_key(D, H * HD, "none", "residual"), D, H * HD, "none", "residual",
+    (G.plan_key(D, H * HD, "none", "residual"), D, H * HD, "none", "residual",
      "attention o_proj + residual"),
-    (G.fused_key(D, I, "none", "residual"), D, I, "none", "residual",
+    (G.plan_key(D, I, "none", "residual"), D, I, "none", "residual",
      "MLP down + residual"),
 ]
 LM_KEY = f"lm_head:{V}x{D}:rms"
@@ -103,7 +103,7 @@ class _Gemv:
 
     def fn(self, p=None):
         p = p or {}
-        return lambda: G.gemv_fused(self.x, self.W, self.out, partials=self.partials,
+        return lambda: G.gemv(self.x, self.W, self.out, partials=self.partials,
                                     counters=self.counters, **p, **self.kw)
 
 
@@ -138,7 +138,7 @@ def tune_gemvs(quick: bool, log, deadline: float) -> list[dict]:
         best = None
         best_direct = None                       # split_k = 1: what "split-K off" runs
         t0 = time.time()
-        first = G.fused_heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
+        first = G.heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
                                        epi == "silu_mul")
         for p in [first, *_gemv_grid(n_out, k, pro, quick)]:
             if best is not None and time.time() > deadline:
@@ -242,7 +242,7 @@ def tune_core(quick: bool, log) -> list[dict]:
              for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64])
              for w in ([2, 4] if quick else [1, 2, 4, 8])
              for zbn in ([2, 4, 8] if quick else [1, 2, 4, 8, 16])]
-    us, p = _fastest(plans, lambda p: (lambda: gdn_decode_core(
+    us, p = _fastest(plans, lambda p: (lambda: gdn_decode(
         proj, A_log, dt_bias, state, o, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK,
         head_v_dim=DV, **p, **z)), 10, "gdn_core", log)
     nbytes = state.numel() * 4 * 2 + z["z_weight"].numel() * 2
@@ -283,11 +283,11 @@ def bench_kernels(log) -> None:
     for key, n_out, k, pro, epi, what in GEMVS:
         g = _Gemv(n_out, k, pro, epi)
         us = _bench_us(g.fn(), rep=50)
-        p = G.fused_plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
+        p = G.plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
         log(f"  {key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  {what}")
         del g
     proj, A_log, dt_bias, state, o, z = _core_setup()
-    us = _bench_us(lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,
+    us = _bench_us(lambda: gdn_decode(proj, A_log, dt_bias, state, o, num_k_heads=HK,
                                            num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, **z),
                    rep=50)
     nbytes = state.numel() * 8 + z["z_weight"].numel() * 2
@@ -347,23 +347,23 @@ def bench_step(log, context: int = 256) -> int:
     def step(pm: int):
         for L in layers:
             if L["kind"] == "gdn":
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvba"], proj, conv_state=L["conv_state"],
+                G.gemv(h, L["qkvba"], proj, norm_w=L["in_norm"], eps=EPS, conv_state=L["conv_state"],
                                conv_w=L["conv_w"], pdl=pm, **sc)
-                gdn_decode_core(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
+                gdn_decode(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
                                 num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, z_weight=L["z_w"],
                                 z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS, pdl=pm)
-                G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
+                G.gemv(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
                              eps=EPS, residual=h, pdl=pm, **sc)
             else:
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, pdl=pm, **sc)
+                G.gemv(h, L["qkv"], aproj, norm_w=L["in_norm"], eps=EPS, pdl=pm, **sc)
                 q_n, kv_n = 2 * H * HD, KV * HD
                 attention_decode(aproj[:q_n], aproj[q_n:q_n + kv_n], aproj[q_n + kv_n:],
                                  L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart, acnt,
                                  num_heads=H, num_kv_heads=KV, head_dim=HD, rotary_dim=ROT,
                                  rope_theta=1e7, eps=EPS, num_splits=splits, pdl=pm)
-                G.gemv_fused(aout, L["o_proj"], h, residual=h, pdl=pm, **sc)
-            G.gemv_rmsnorm(h, L["post_norm"], EPS, L["gate_up"], act, silu_mul=True, pdl=pm, **sc)
-            G.gemv_fused(act, L["down"], h, residual=h, pdl=pm, **sc)
+                G.gemv(aout, L["o_proj"], h, residual=h, pdl=pm, **sc)
+            G.gemv(h, L["gate_up"], act, norm_w=L["post_norm"], eps=EPS, silu_mul=True, pdl=pm, **sc)
+            G.gemv(act, L["down"], h, residual=h, pdl=pm, **sc)
         lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS, pdl=pm)
 
     for pdl in ([False, True] if torch.cuda.get_device_capability()[0] >= 9 else [False]):

@@ -367,7 +367,7 @@ def range_table(tmp_path, monkeypatch):
         entries = []
         for (shape, pro, epi), plan in tri._fplans.items():
             n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
-            e = dict(plan, key=G.fused_key(n_out, shape[1], pro, epi))
+            e = dict(plan, key=G.plan_key(n_out, shape[1], pro, epi))
             if bounds and pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
                 e["context_ranges"] = [
                     dict(below=bounds[0], split_k=1, block_n=2, block_k=16, num_warps=4, persistent=1),

@@ -8,9 +8,9 @@ from tritonchat.kernels.attention_decode import (attention_decode, attention_pla
                                                  counters_numel, deferred_merge,
                                                  groups_deferrable, partials_numel,
                                                  plan_num_splits, tile_positions)
-from tritonchat.kernels.gemv import gemv_fused
+from tritonchat.kernels.gemv import gemv
 from tritonchat.kernels._common import cdiv
-from tritonchat.kernels.reference import attention_decode_ref, gemv_fused_ref
+from tritonchat.kernels.reference import attention_decode_ref, gemv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -102,7 +102,7 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
 
 def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
     """attention_decode(defer_splits=defer, defer_groups=groups) at `pos`, then the o_proj
-    (gemv_fused with merge=, residual): (the attention's out, started as NaN; the o_proj's
+    (gemv with merge=, residual): (the attention's out, started as NaN; the o_proj's
     result; the reference attention, output gate and o_proj). The counters end at zero."""
     H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24          # K = 128: heads and head size powers of 2
     qn, kn, kc, vc, g = _setup(H, Hkv, hd, 128, pos, dtype, seed=seed)
@@ -112,7 +112,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
               eps=EPS)
     o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
-    want, _ = gemv_fused_ref(o_ref, W, residual=h)
+    want, _ = gemv_ref(o_ref, W, residual=h)
     ms = merge or 8
     out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
     partials = torch.full((partials_numel(H, hd, splits, ms),), float("nan"), device=DEVICE)
@@ -126,7 +126,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
                        num_splits=splits, defer_splits=defer, block_n=BLOCK_N,
                        merge_splits=merge, defer_groups=groups)
     y = h.clone()
-    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
+    gemv(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
     return out, y, want
 
 
@@ -135,7 +135,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
                                               (40, 4, 2), (40, 4, 3), (63, 8, 4), (64, 8, 4),
                                               (70, 8, 16)])
 def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
-    """attention_decode(defer_splits=D), then the o_proj (gemv_fused with merge=, residual)
+    """attention_decode(defer_splits=D), then the o_proj (gemv with merge=, residual)
     equals the reference attention, output gate and o_proj: with <= D active splits the o_proj
     merges the split partials itself (and `out` is left untouched), with more it reads the
     attention's own merge (active splits here: 1, 1, 2, 3, 3, 4, 5, 5)."""
@@ -180,18 +180,18 @@ def test_attention_merge_in_the_o_proj_validates():
     m = deferred_merge(qg, p, part, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
                        num_splits=splits, defer_splits=4, block_n=BLOCK_N)
     with pytest.raises(ValueError):       # the grid form cannot merge
-        gemv_fused(x, W, y, residual=y, merge=m, persistent=0)
+        gemv(x, W, y, residual=y, merge=m, persistent=0)
     with pytest.raises(ValueError):       # K is not heads x head_dim
-        gemv_fused(x[:64], W[:, :64].contiguous(), y, residual=y, merge=m)
+        gemv(x[:64], W[:, :64].contiguous(), y, residual=y, merge=m)
     with pytest.raises(ValueError):       # partials sized for fewer splits
-        gemv_fused(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
+        gemv(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
     with pytest.raises(ValueError):       # more than a consumer merges at once
-        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=64))
+        gemv(x, W, y, residual=y, merge=m._replace(defer_splits=64))
     with pytest.raises(ValueError):       # 2 groups of 2 splits, one record merged
-        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=1, merge_splits=2,
+        gemv(x, W, y, residual=y, merge=m._replace(defer_splits=1, merge_splits=2,
                                                          defer_groups=True))
     with pytest.raises(ValueError):       # merge groups that are not a power of two
-        gemv_fused(x, W, y, residual=y, merge=m._replace(merge_splits=3))
+        gemv(x, W, y, residual=y, merge=m._replace(merge_splits=3))
     def attend(**kw):
         attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
                          torch.zeros(Hkv, 16, hd, device=DEVICE),
@@ -414,7 +414,7 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(groups):
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, num_splits=splits,
                          defer_splits=defer, defer_groups=groups, pdl=pdl, **kw)
         y.copy_(h0)
-        gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1,
+        gemv(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1,
                    pdl=pdl)
 
     step()                                  # JIT before capture
@@ -425,7 +425,7 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(groups):
         kc[:, p:] = float("nan")
         vc[:, p:] = float("nan")
         o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, p, **kw)
-        want, _ = gemv_fused_ref(o_ref, W, residual=h0)
+        want, _ = gemv_ref(o_ref, W, residual=h0)
         out.fill_(float("nan"))
         pos.fill_(p)
         graph.replay()

@@ -14,10 +14,10 @@ import torch
 from tritonchat.kernels import _common
 from tritonchat.kernels._common import launch_kw, pdl_mode
 from tritonchat.kernels import gemv as gemv_mod
-from tritonchat.kernels.gdn_decode import gdn_decode_core
-from tritonchat.kernels.gemv import fused_scratch_numel, gemv_fused, gemv_rmsnorm
-from tritonchat.kernels.reference import (gdn_decode_core_ref, gdn_decode_ref, gemv_fused_ref,
-                                          gemv_ref, lm_head_argmax_ref, rms_norm_ref)
+from tritonchat.kernels.gdn_decode import gdn_decode
+from tritonchat.kernels.gemv import gemv, scratch_numel
+from tritonchat.kernels.reference import (gdn_decode_ref, gdn_mixer_ref, gemv_ref,
+                                          matvec_ref, lm_head_argmax_ref, rms_norm_ref)
 from tritonchat.kernels.sampling import lm_head_argmax, lm_head_partials_numel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +37,7 @@ def _tol(dtype):
 
 def _scratch(n_out, split_k, block_n, silu_mul=False):
     """NaN-filled partials (a stale read would show) and zeroed counters."""
-    n_p, n_c = fused_scratch_numel(n_out, dict(split_k=split_k, block_n=block_n), silu_mul)
+    n_p, n_c = scratch_numel(n_out, dict(split_k=split_k, block_n=block_n), silu_mul)
     return (torch.full((max(n_p, 1) + 3,), float("nan"), device=DEVICE),
             torch.zeros(max(n_c, 1) + 3, device=DEVICE, dtype=torch.int32))
 
@@ -75,7 +75,7 @@ def _epilogue_case(epilogue, n_out, g, dtype, conv_channels):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("epilogue", ["plain", "residual_inplace", "silu_mul", "conv"])
-def test_gemv_rmsnorm_epilogues(epilogue, split_k, dtype):
+def test_gemv_rms_norm_prologue_epilogues(epilogue, split_k, dtype):
     # 74 rows (37 after SiLU*mul) x K = 200: neither is a multiple of the 8 x 32 tile; the
     # conv epilogue covers 45 channels, so one row block holds conv and plain rows
     g = torch.Generator().manual_seed(split_k * 10 + len(epilogue))
@@ -89,9 +89,9 @@ def test_gemv_rmsnorm_epilogues(epilogue, split_k, dtype):
     if epilogue == "conv":
         kw["conv_w"] = kw["conv_w"].unsqueeze(1)                    # nn.Conv1d layout too
     conv_state = kw.get("conv_state")
-    want, want_state = gemv_fused_ref(h, W, norm_w=norm_w, eps=EPS, out_dtype=dtype, **ref_kw)
+    want, want_state = gemv_ref(h, W, norm_w=norm_w, eps=EPS, out_dtype=dtype, **ref_kw)
     part, cnt = _scratch(n_out, split_k, block_n, silu)
-    gemv_rmsnorm(h, norm_w, EPS, W, out, split_k=split_k, partials=part, counters=cnt,
+    gemv(h, W, out, norm_w=norm_w, eps=EPS, split_k=split_k, partials=part, counters=cnt,
                  block_n=block_n, block_k=32, num_warps=4, **kw)
     torch.testing.assert_close(out, want, **_tol(dtype))
     if epilogue == "conv":
@@ -118,9 +118,9 @@ def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
     for nw in (None, norm_w):
         out = torch.full((n_rows,), float("nan"), device=DEVICE)
         part, cnt = _scratch(n_rows, split_k, block_n)
-        gemv_fused(h, W, out, norm_w=nw, eps=EPS, split_k=split_k, partials=part, counters=cnt,
+        gemv(h, W, out, norm_w=nw, eps=EPS, split_k=split_k, partials=part, counters=cnt,
                    block_n=block_n, block_k=block_k)
-        want, _ = gemv_fused_ref(h, W, norm_w=nw, eps=EPS)
+        want, _ = gemv_ref(h, W, norm_w=nw, eps=EPS)
         torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
         assert not cnt.any()
 
@@ -147,8 +147,8 @@ def test_gemv_fused_persistent_form(epilogue, n_rows, K, block_n, dtype):
     for nw in (norm_w, None):
         out, kw, ref_kw = _epilogue_case(epilogue, n_out, g, dtype, conv_channels=min(45, n_out))
         conv_state = kw.get("conv_state")
-        want, want_state = gemv_fused_ref(h, W, norm_w=nw, eps=EPS, out_dtype=dtype, **ref_kw)
-        gemv_fused(h, W, out, norm_w=nw, eps=EPS, split_k=1, block_n=block_n, num_warps=4,
+        want, want_state = gemv_ref(h, W, norm_w=nw, eps=EPS, out_dtype=dtype, **ref_kw)
+        gemv(h, W, out, norm_w=nw, eps=EPS, split_k=1, block_n=block_n, num_warps=4,
                    persistent=1, **kw)
         torch.testing.assert_close(out, want, **_tol(dtype))
         if epilogue == "conv":
@@ -160,11 +160,11 @@ def test_gemv_fused_persistent_form_refuses_what_it_cannot_do():
     x, W = _vec(64, g), _vec(16 * 64, g).view(16, 64)
     out = torch.empty(16, device=DEVICE)
     with pytest.raises(ValueError, match="persistent"):
-        gemv_fused(x, W, out, split_k=2, persistent=1,
+        gemv(x, W, out, split_k=2, persistent=1,
                    partials=torch.zeros(64, device=DEVICE), counters=torch.zeros(16, device=DEVICE, dtype=torch.int32))
     x3, W3 = _vec(96, g), _vec(16 * 96, g).view(16, 96)      # three heads: not a power of two
     with pytest.raises(ValueError, match="persistent"):
-        gemv_fused(x3, W3, out, norm_w=_vec(32, g), gate=_vec(96, g), head_dim=32, split_k=1,
+        gemv(x3, W3, out, norm_w=_vec(32, g), gate=_vec(96, g), head_dim=32, split_k=1,
                    block_k=32, persistent=1)
 
 
@@ -185,9 +185,9 @@ def test_gemv_gated_norm_residual_persistent_form(heads, dv, n_out, block_n, dty
     W = _vec(n_out * K, g, K ** -0.5, dtype).view(n_out, K)
     res = _vec(n_out, g, 1.0, dtype)
     h = res.clone()
-    gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h, split_k=1,
+    gemv(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h, split_k=1,
                block_n=block_n, num_warps=4, persistent=1)
-    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
+    want, _ = gemv_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
     torch.testing.assert_close(h, want, **_tol(dtype))
 
 
@@ -201,12 +201,12 @@ def test_gemv_fused_split_k_reproducible_and_replayable():
     outs = []
     for _ in range(2):
         out = torch.empty(70, device=DEVICE)
-        gemv_fused(h, W, out, norm_w=norm_w, split_k=4, partials=part, counters=cnt,
+        gemv(h, W, out, norm_w=norm_w, split_k=4, partials=part, counters=cnt,
                    block_n=8, block_k=32)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     one = torch.empty(70, device=DEVICE)
-    gemv_fused(h, W, one, norm_w=norm_w, split_k=1, block_n=8, block_k=32)
+    gemv(h, W, one, norm_w=norm_w, split_k=1, block_n=8, block_k=32)
     torch.testing.assert_close(outs[0], one, rtol=1e-5, atol=1e-5)
 
 
@@ -232,9 +232,9 @@ def test_gemv_gated_norm_residual(heads, dv, block_k, split_k, dtype):
     res = _vec(n_out, g, 1.0, dtype)
     h = res.clone()
     part, cnt = _scratch(n_out, split_k, block_n)
-    gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h,
+    gemv(o, W, h, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=h,
                split_k=split_k, partials=part, counters=cnt, block_n=block_n, block_k=block_k)
-    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
+    want, _ = gemv_ref(o, W, norm_w=norm_w, gate=z, head_dim=dv, eps=EPS, residual=res)
     torch.testing.assert_close(h, want, **_tol(dtype))
     assert not cnt.any()
 
@@ -279,9 +279,9 @@ def test_gdn_decode_core_steps(cfg, block_v, dtype):
     A_log, dt_bias, state, kw = _core_params(cfg, dtype, g)
     for step in range(2):
         proj = _proj(hk, hv, dk, dv, dtype, g, step)
-        want_o, want_state = gdn_decode_core_ref(proj, A_log, dt_bias, state, **kw)
+        want_o, want_state = gdn_decode_ref(proj, A_log, dt_bias, state, **kw)
         o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
-        gdn_decode_core(proj, A_log, dt_bias, state, o, block_v=block_v, **kw)
+        gdn_decode(proj, A_log, dt_bias, state, o, block_v=block_v, **kw)
         torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(o, want_o, **_tol(dtype))
         state.copy_(want_state)
@@ -314,12 +314,12 @@ def test_gdn_decode_core_with_z_programs(cfg, K, z_block_n, z_first, dtype):
         z = _z_case(hv, dv, K, dtype, g)
         want_state = state.clone()
         want_o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
-        gdn_decode_core(old, A_log, dt_bias, want_state, want_o, **kw)
+        gdn_decode(old, A_log, dt_bias, want_state, want_o, **kw)
         o = torch.full((hv * dv,), float("nan"), device=DEVICE, dtype=dtype)
-        gdn_decode_core(new, A_log, dt_bias, state, o, z_block_n=z_block_n, z_first=z_first,
+        gdn_decode(new, A_log, dt_bias, state, o, z_block_n=z_block_n, z_first=z_first,
                         **kw, **z)
         assert torch.equal(state, want_state) and torch.equal(o, want_o)
-        want_z = gemv_ref(rms_norm_ref(z["z_x"], z["z_norm_w"], EPS), z["z_weight"], out_dtype=dtype)
+        want_z = matvec_ref(rms_norm_ref(z["z_x"], z["z_norm_w"], EPS), z["z_weight"], out_dtype=dtype)
         torch.testing.assert_close(z["z_out"], want_z, **_tol(dtype))
 
 
@@ -331,30 +331,30 @@ def test_gdn_decode_core_validates():
     o = torch.empty(hv * dv, device=DEVICE)
     kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
     with pytest.raises(ValueError):
-        gdn_decode_core(proj[:-1], A, dt, state, o, **kw)
+        gdn_decode(proj[:-1], A, dt, state, o, **kw)
     with pytest.raises(ValueError):
-        gdn_decode_core(proj, A, dt, state.half(), o, **kw)
+        gdn_decode(proj, A, dt, state.half(), o, **kw)
     with pytest.raises(ValueError):
-        gdn_decode_core(proj, A, dt, state, o, **{**kw, "num_v_heads": 3})
+        gdn_decode(proj, A, dt, state, o, **{**kw, "num_v_heads": 3})
     with pytest.raises(ValueError):
-        gdn_decode_core(proj, A, dt, state, o, block_v=12, **kw)
+        gdn_decode(proj, A, dt, state, o, block_v=12, **kw)
     # the z programs: proj without z, all four z operands, a power-of-two block
     g = torch.Generator().manual_seed(0)
     z = _z_case(hv, dv, 16, torch.float32, g)
     proj_ba = proj[:2 * hk * dk + hv * dv + 2 * hv].contiguous()
-    gdn_decode_core(proj_ba, A, dt, state, o, **kw, **z)
+    gdn_decode(proj_ba, A, dt, state, o, **kw, **z)
     with pytest.raises(ValueError):                     # the old layout with z programs
-        gdn_decode_core(proj, A, dt, state, o, **kw, **z)
+        gdn_decode(proj, A, dt, state, o, **kw, **z)
     with pytest.raises(ValueError):                     # z_out without z_weight
-        gdn_decode_core(proj, A, dt, state, o, z_out=z["z_out"], **kw)
+        gdn_decode(proj, A, dt, state, o, z_out=z["z_out"], **kw)
     with pytest.raises(ValueError):                     # z_weight without z_x
-        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": None})
+        gdn_decode(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": None})
     with pytest.raises(ValueError):                     # z rows != Hv * dv
-        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_weight": z["z_weight"][1:]})
+        gdn_decode(proj_ba, A, dt, state, o, **kw, **{**z, "z_weight": z["z_weight"][1:]})
     with pytest.raises(ValueError):                     # z_x of the wrong length
-        gdn_decode_core(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": z["z_x"][1:]})
+        gdn_decode(proj_ba, A, dt, state, o, **kw, **{**z, "z_x": z["z_x"][1:]})
     with pytest.raises(ValueError):
-        gdn_decode_core(proj_ba, A, dt, state, o, z_block_n=6, **kw, **z)
+        gdn_decode(proj_ba, A, dt, state, o, z_block_n=6, **kw, **z)
 
 
 # ------------------------------------------------------------------------------------------
@@ -394,12 +394,12 @@ def _unfused_gdn_step(L, h, conv_state, state, dims, dtype):
     """rms_norm -> in_proj GEMV -> gdn_decode (conv, core, gated norm) -> out_proj + residual."""
     hk, hv, dk, dv = dims
     x = rms_norm_ref(h, L["input_norm"], EPS)
-    proj = gemv_ref(x, L["qkvzba"], out_dtype=dtype)
+    proj = matvec_ref(x, L["qkvzba"], out_dtype=dtype)
     n_qkvz = 2 * hk * dk + 2 * hv * dv
-    y, conv_state, state = gdn_decode_ref(
+    y, conv_state, state = gdn_mixer_ref(
         proj[:n_qkvz], proj[n_qkvz:], conv_state, L["conv_w"], L["A_log"], L["dt_bias"], state,
         L["norm_w"], num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, eps=EPS)
-    return gemv_ref(y, L["out_proj"], residual=h, out_dtype=dtype), conv_state, state
+    return matvec_ref(y, L["out_proj"], residual=h, out_dtype=dtype), conv_state, state
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -424,13 +424,13 @@ def test_gdn_mixer_fused_path_matches_unfused(dims, split_k, z_in_core, dtype):
                    z_out=zbuf, z_eps=EPS)
     for step in range(2):
         want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state, dims, dtype)
-        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=conv_state,
+        gemv(h, W, proj, norm_w=L["input_norm"], eps=EPS, conv_state=conv_state,
                      conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt,
                      block_n=8, block_k=32)
-        gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
+        gdn_decode(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
                         num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **(zkw if z_in_core else {}))
         gate = zbuf if z_in_core else proj[conv_dim:conv_dim + hv * dv]
-        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
+        gemv(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
                    head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
                    counters=cnt, block_n=8, block_k=min(32, dv))
         # the state holds the projection outputs: equal up to the GEMV's summation order
@@ -472,16 +472,16 @@ def test_gemv_fused_validates():
     W = torch.zeros(16, 32, device=DEVICE)
     out = torch.zeros(16, device=DEVICE)
     with pytest.raises(ValueError):                     # two epilogues
-        gemv_fused(x, W, out, residual=out, silu_mul=True)
+        gemv(x, W, out, residual=out, silu_mul=True)
     with pytest.raises(ValueError):                     # split-K without scratch
-        gemv_fused(x, W, out, split_k=2, block_n=4, block_k=16)
+        gemv(x, W, out, split_k=2, block_n=4, block_k=16)
     with pytest.raises(ValueError):                     # gated norm: head_dim must divide K
-        gemv_fused(x, W, out, norm_w=torch.zeros(5, device=DEVICE), gate=x, head_dim=5)
+        gemv(x, W, out, norm_w=torch.zeros(5, device=DEVICE), gate=x, head_dim=5)
     with pytest.raises(ValueError):                     # gated norm: block_k beyond the head
-        gemv_fused(x, W, out, norm_w=torch.zeros(16, device=DEVICE), gate=x, head_dim=16,
+        gemv(x, W, out, norm_w=torch.zeros(16, device=DEVICE), gate=x, head_dim=16,
                    block_k=32)
     with pytest.raises(ValueError):                     # conv state shape
-        gemv_fused(x, W, out, conv_state=torch.zeros(8, 2, device=DEVICE),
+        gemv(x, W, out, conv_state=torch.zeros(8, 2, device=DEVICE),
                    conv_w=torch.zeros(8, 4, device=DEVICE))
 
 
@@ -493,8 +493,8 @@ def test_pdl_switch_is_a_no_op_under_the_interpreter():
     h, nw = _vec(64, g), _vec(64, g, 0.2)
     W = _vec(16 * 64, g, 0.125).view(16, 64)
     out = torch.empty(16, device=DEVICE)
-    gemv_rmsnorm(h, nw, EPS, W, out, block_n=4, block_k=16)
-    torch.testing.assert_close(out, gemv_fused_ref(h, W, norm_w=nw, eps=EPS)[0],
+    gemv(h, W, out, norm_w=nw, eps=EPS, block_n=4, block_k=16)
+    torch.testing.assert_close(out, gemv_ref(h, W, norm_w=nw, eps=EPS)[0],
                                rtol=2e-5, atol=2e-5)
 
 
@@ -527,10 +527,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     base = dict(DV=1, KW=4, BLOCK_X=1024, ONE_X=True, MASK_N=False, MASK_K=False, PDL=1)
     for pro, epi, split, bn, bk in ((1, 3, 1, 8, 512), (1, 2, 1, 4, 512), (1, 0, 2, 8, 512),
                                     (0, 1, 4, 4, 512)):
-        build(G._fused_gemv_kernel, gemv_args,
+        build(G._gemv_kernel, gemv_args,
               dict(base, PRO=pro, EPI=epi, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk), 4)
     gated_args = dict(gemv_args, nw_ptr="*fp32")
-    build(G._fused_gemv_kernel, gated_args,
+    build(G._gemv_kernel, gated_args,
           dict(base, PRO=2, EPI=1, DV=128, BLOCK_X=128, SPLIT_K=2, BLOCK_N=4, BLOCK_K=128), 4)
     core_args = dict(proj_ptr="*bf16", A_log_ptr="*fp32", dt_bias_ptr="*bf16",
                      state_ptr="*fp32", o_ptr="*bf16", q_scale="fp32", zw_ptr="*bf16",
@@ -538,7 +538,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                      HV="i32", BA_OFF="i32", N_Z="i32")
     # without z programs, with them (first or last in the grid: the engine's launch)
     for bv, z_rows, z_first in ((16, 0, True), (32, 2048, True), (32, 2048, False)):
-        build(C._gdn_core_kernel, core_args,
+        build(C._gdn_decode_kernel, core_args,
               dict(DK=128, DV=128, GROUP=1, BLOCK_K=128, BLOCK_V=bv, L2_EPS=1e-6,
                    SP_THRESHOLD=20.0, PDL=True, Z_ROWS=z_rows, ZK=1024 if z_rows else 0,
                    BLOCK_ZN=8, BLOCK_ZK=1024 if z_rows else 1, Z_FIRST=z_first), 4)
@@ -549,7 +549,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                      stride_w="i32", eps="fp32", CONV_DIM="i32")
     for pro, epi, bn, bk, pdl in ((1, 3, 8, 1024, 2), (1, 2, 4, 1024, 1), (0, 1, 4, 4096, 1),
                                   (2, 1, 8, 2048, 1)):
-        build(G._fused_gemv_persistent_kernel,
+        build(G._gemv_persistent_kernel,
               dict(pers_args, nw_ptr="*fp32") if pro == 2 else pers_args,
               dict(PRO=pro, EPI=epi, DV=128 if pro == 2 else 1, KW=4, NPROG=132, BLOCK_N=bn,
                    BLOCK_K=bk, MASK_K=bk == 4096, PDL=pdl, A_NS=1, A_BN=1, A_DEFER=0,
@@ -557,7 +557,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     # the attention o_proj merging the split (or group) partials the attention left
     # (PRO_ATTN), and the attention launches that leave them
     for groups in (False, True):
-        build(G._fused_gemv_persistent_kernel, pers_args,
+        build(G._gemv_persistent_kernel, pers_args,
               dict(PRO=4, EPI=1, DV=256, KW=2, NPROG=128, BLOCK_N=8, BLOCK_K=2048, MASK_K=False,
                    PDL=1, A_NS=66, A_BN=64, A_DEFER=12, A_MERGE=8, A_GROUPS=groups), 8)
     attn_args = dict(qg_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qn_w_ptr="*bf16",
@@ -642,11 +642,11 @@ def test_gpu_gdn_mixer_model_shape(split_k, z_in_core):
     for step in range(3):
         want_h, ref_conv, ref_state = _unfused_gdn_step(L, h, ref_conv, ref_state,
                                                         (hk, hv, dk, dv), dt)
-        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=conv_state,
+        gemv(h, W, proj, norm_w=L["input_norm"], eps=EPS, conv_state=conv_state,
                      conv_w=L["conv_w"], split_k=split_k, partials=part, counters=cnt)
-        gdn_decode_core(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
+        gdn_decode(proj, L["A_log"], L["dt_bias"], state, o, num_k_heads=hk,
                         num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, **zkw)
-        gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
+        gemv(o, L["out_proj"], h, norm_w=L["norm_w"], gate=gate,
                    head_dim=dv, eps=EPS, residual=h, split_k=split_k, partials=part,
                    counters=cnt)
         # bf16: a rounding point may flip one ulp between summation orders
@@ -672,12 +672,12 @@ def test_gpu_mlp_model_shape(split_k):
     part = torch.zeros(8 * 2 * I, device=DEVICE)
     cnt = torch.zeros(2 * I, device=DEVICE, dtype=torch.int32)
     act = torch.empty(I, device=DEVICE, dtype=dt)
-    want_act, _ = gemv_fused_ref(h, gate_up, norm_w=post_norm, eps=EPS, silu_mul=True)
-    gemv_rmsnorm(h, post_norm, EPS, gate_up, act, silu_mul=True, split_k=split_k,
+    want_act, _ = gemv_ref(h, gate_up, norm_w=post_norm, eps=EPS, silu_mul=True)
+    gemv(h, gate_up, act, norm_w=post_norm, eps=EPS, silu_mul=True, split_k=split_k,
                  partials=part, counters=cnt)
     torch.testing.assert_close(act.float(), want_act.float(), rtol=2e-2, atol=2e-2)
-    want_h = gemv_ref(act, down, residual=h, out_dtype=dt)
-    gemv_fused(act, down, h, residual=h, split_k=split_k, partials=part, counters=cnt)
+    want_h = matvec_ref(act, down, residual=h, out_dtype=dt)
+    gemv(act, down, h, residual=h, split_k=split_k, partials=part, counters=cnt)
     torch.testing.assert_close(h.float(), want_h.float(), rtol=2e-2, atol=2e-2)
     assert not cnt.any()
 
@@ -731,17 +731,17 @@ def test_gpu_pdl_and_graph_replay_match_eager(z_in_core):
         bufs["proj"][conv_dim:conv_dim + hv * dv]
 
     def step(h, cs, st, pdl=0):
-        gemv_rmsnorm(h, L["input_norm"], EPS, W, proj, conv_state=cs,
+        gemv(h, W, proj, norm_w=L["input_norm"], eps=EPS, conv_state=cs,
                      conv_w=L["conv_w"], partials=part, counters=cnt, pdl=pdl)
         zkw = dict(z_weight=z_w, z_x=h, z_norm_w=L["input_norm"], z_out=gate, z_eps=EPS) \
             if z_in_core else {}
-        gdn_decode_core(proj, L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
+        gdn_decode(proj, L["A_log"], L["dt_bias"], st, bufs["o"], num_k_heads=hk,
                         num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, pdl=pdl, **zkw)
-        gemv_fused(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"], gate=gate, head_dim=dv,
+        gemv(bufs["o"], L["out_proj"], h, norm_w=L["norm_w"], gate=gate, head_dim=dv,
                    eps=EPS, residual=h, partials=part, counters=cnt, pdl=pdl)
-        gemv_rmsnorm(h, post, EPS, gate_up, bufs["act"], silu_mul=True, partials=part,
+        gemv(h, gate_up, bufs["act"], norm_w=post, eps=EPS, silu_mul=True, partials=part,
                      counters=cnt, pdl=pdl)
-        gemv_fused(bufs["act"], down, h, residual=h, partials=part, counters=cnt, pdl=pdl)
+        gemv(bufs["act"], down, h, residual=h, partials=part, counters=cnt, pdl=pdl)
 
     eager = [h0.clone(), cs0.clone(), st0.clone()]
     for _ in range(3):
@@ -804,16 +804,16 @@ def test_decode_tuning_table_is_read_and_optional(own_table):
               '{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8,'
               ' "num_stages": 1},'
               '{"key": "attention:4x1x64", "block_n": 48, "num_stages": "x"}]}')
-    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == dict(
+    assert gemv_mod.plan(1024, 2048, "gated", "residual", 128) == dict(
         split_k=4, block_n=4, block_k=64, num_warps=8, persistent=0)
     # the in-step tuner's persistent form is read, and kept when split-K is switched off
     want = dict(split_k=1, block_n=4, block_k=1024, num_warps=4, persistent=2)
-    assert gemv_mod.fused_plan(1024, 3584, "none", "residual") == want
-    assert gemv_mod.fused_plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
+    assert gemv_mod.plan(1024, 3584, "none", "residual") == want
+    assert gemv_mod.plan(1024, 3584, "none", "residual", split_k_enabled=False) == want
     # an entry whose block_k exceeds the head would be invalid: the heuristic wins
-    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
-    assert gdn_mod._core_plan(16, 128, 128) == (32, 2, 16, False)
-    assert gdn_mod._core_plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
+    assert gemv_mod.plan(1024, 2048, "gated", "residual", 32)["block_k"] <= 32
+    assert gdn_mod._plan(16, 128, 128) == (32, 2, 16, False)
+    assert gdn_mod._plan(8, 64, 64) == (16, 4, 2, True)   # 12: the default block
     # an LM head entry without the persistent keys is the grid form
     assert samp_mod.lm_head_plan(248320, 1024, True) == dict(
         block_n=16, block_k=256, num_warps=8, persistent=0, num_stages=1, evict=True)
@@ -824,8 +824,8 @@ def test_decode_tuning_table_is_read_and_optional(own_table):
     assert attention_plan(4, 1, 64) == {}         # not a power of two, not a number
     assert attention_plan(4, 2, 64) == {}         # no entry
     own_table("{not json")
-    assert gemv_mod.fused_plan(1024, 2048, "gated", "residual", 128) == \
-        gemv_mod.fused_heuristic_plan(1024, 2048, "gated", 128)
+    assert gemv_mod.plan(1024, 2048, "gated", "residual", 128) == \
+        gemv_mod.heuristic_plan(1024, 2048, "gated", 128)
 
 
 def test_context_range_plans_from_the_table(own_table):
@@ -852,13 +852,13 @@ def test_context_range_plans_from_the_table(own_table):
     p8 = dict(split_k=1, block_n=8, block_k=1024, num_warps=8, persistent=2)
     p4 = dict(p8, num_warps=4)
     s2 = dict(split_k=2, block_n=8, block_k=256, num_warps=4, persistent=0)
-    assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain") == [
+    assert gemv_mod.range_plans(5120, 1024, "rms", "plain") == [
         (768, p8), (1792, p4), (4096, s2)]
-    assert gemv_mod.fused_range_plans(5120, 1024, "rms", "plain", split_k_enabled=False) == [
+    assert gemv_mod.range_plans(5120, 1024, "rms", "plain", split_k_enabled=False) == [
         (768, p8), (1792, p4)]
-    assert gemv_mod.fused_range_plans(1024, 2048, "gated", "residual", 128) == []
-    assert gemv_mod.fused_range_plans(3584, 1024, "rms", "silu_mul") == []
-    assert gemv_mod.fused_range_plans(1024, 3584, "none", "residual") == []    # no entry
+    assert gemv_mod.range_plans(1024, 2048, "gated", "residual", 128) == []
+    assert gemv_mod.range_plans(3584, 1024, "rms", "silu_mul") == []
+    assert gemv_mod.range_plans(1024, 3584, "none", "residual") == []    # no entry
     # the engine's ranges: each range's plans are the base with the plan covering its start
     base = {"qkv": "b0", "mlp": "m0", "other": "o0"}
     r = context_ranges(base, {"qkv": [(0, 768, "q1"), (768, 1792, "q2")],
@@ -928,11 +928,11 @@ def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(own_table):
     o, z, W = _vec(64, g, 2.0), _vec(64, g, 2.0), _vec(24 * 64, g, 0.125).view(24, 64)
     norm_w = (1 + 0.1 * torch.randn(16, generator=g)).to(DEVICE)
     res = _vec(24, g)
-    want, _ = gemv_fused_ref(o, W, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=res)
+    want, _ = gemv_ref(o, W, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=res)
     for split_k in (None, 1, 2):
         h = res.clone()
         part, cnt = _scratch(24, 2, 8)
-        gemv_fused(o, W, h, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=h,
+        gemv(o, W, h, norm_w=norm_w, gate=z, head_dim=16, eps=EPS, residual=h,
                    split_k=split_k, partials=part, counters=cnt)
         torch.testing.assert_close(h, want, **_tol(torch.float32))
 
@@ -943,7 +943,7 @@ def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(own_table):
                                              (1024, 3584, "none", "residual"),
                                              (37, 200, "rms", "plain")])
 def test_fused_heuristic_plans_are_valid(n_out, k, pro, epi):
-    p = gemv_mod.fused_heuristic_plan(n_out, k, pro, 128 if pro == "gated" else 0,
+    p = gemv_mod.heuristic_plan(n_out, k, pro, 128 if pro == "gated" else 0,
                                       epi == "silu_mul")
     assert p["block_k"] & (p["block_k"] - 1) == 0 and p["block_k"] >= 16
     assert p["block_n"] & (p["block_n"] - 1) == 0
@@ -986,7 +986,7 @@ def test_tuner_keeps_the_fastest_plan_that_runs(monkeypatch):
 
 def test_in_step_tuner_candidates_are_valid_plans():
     """engine/tune_step.py's candidates: the persistent form only where the kernel has it
-    (direct form; a gated prologue of power-of-two heads), tiles gemv_fused accepts,
+    (direct form; a gated prologue of power-of-two heads), tiles gemv accepts,
     persistent ones first."""
     from tritonchat.engine import tune_step as ts
     from tritonchat.kernels import gemv as G
