@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     from torch.profiler import ProfilerActivity, profile
 
-    from tritonchat.kernels.tune_decode import replay_ms
+    from .tuning.decode import replay_ms
 
     from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config

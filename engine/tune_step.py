@@ -3,7 +3,7 @@
     python -m tritonchat.engine.tune_step --out kernels/decode_tuning.json [--budget-s 300]
         [--margin 0.01] [--only 6176x1024,gdn_core,lm_head] [--no-split-k] [--max-context 4096]
 
-`tritonchat.kernels.tune_decode` times every kernel alone; inside the step a kernel overlaps its
+`tritonchat.engine.tuning.decode` times every kernel alone; inside the step a kernel overlaps its
 neighbours (programmatic dependent launch lets the next kernel's programs prefetch weights while
 this one runs), so the fastest kernel alone is not always the fastest in the step. This tool
 builds the Triton engine at the true 0.8B shape on random weights, captures the decode step into
@@ -32,7 +32,7 @@ KEEP_MARGIN = 0.99      # a candidate must cut the step by > 1% (then confirmed)
 
 def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
     """Median ms of one decode step: graph replays back to back from position `pos`."""
-    from tritonchat.kernels.tune_decode import replay_ms
+    from .tuning.decode import replay_ms
 
     g = be.graph_for(pos)                       # captures (JIT first) if needed
     return statistics.median(replay_ms(g, n, before=lambda: be.pos_buf.fill_(pos))
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from tritonchat.kernels import _common
     from tritonchat.kernels import gemv as G
     from tritonchat.kernels import sampling as S
-    from tritonchat.kernels.tune_decode import lm_head_persistent_candidates
+    from .tuning.decode import lm_head_persistent_candidates
 
     from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config

@@ -956,7 +956,7 @@ def test_fused_heuristic_plans_are_valid(n_out, k, pro, epi):
 
 
 def test_tune_decode_quick_grid_is_small_and_valid():
-    from tritonchat.kernels import tune_decode as td
+    from tritonchat.engine.tuning import decode as td
     total = 0
     for _key, n_out, k, pro, _epi, _what in td.GEMVS:
         for p in td._gemv_grid(n_out, k, pro, True):
@@ -969,7 +969,7 @@ def test_tune_decode_quick_grid_is_small_and_valid():
 def test_tuner_keeps_the_fastest_plan_that_runs(monkeypatch):
     """tune_decode._fastest (the LM head's and the GDN core's sweeps): the fastest plan of
     those that compile and launch, the others logged and skipped; an error when none ran."""
-    from tritonchat.kernels import tune_decode as td
+    from tritonchat.engine.tuning import decode as td
     cost = {1: 5.0, 2: 3.0, 3: None, 4: 4.0}          # plan 3 does not compile
 
     def launch(p):
@@ -990,7 +990,7 @@ def test_in_step_tuner_candidates_are_valid_plans():
     persistent ones first."""
     from tritonchat.engine import tune_step as ts
     from tritonchat.kernels import gemv as G
-    from tritonchat.kernels import tune_decode as td
+    from tritonchat.engine.tuning import decode as td
     for _key, n_out, k, pro, epi, _what in td.GEMVS:
         cands = list(ts._gemv_candidates(n_out, k, pro, td.DV if pro == "gated" else 0,
                                          epi == "silu_mul"))

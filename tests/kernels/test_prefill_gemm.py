@@ -185,7 +185,7 @@ def test_gemm_explicit_config(cfg):
 def test_tuner_grids_are_launchable_configs():
     """Every config the tuner may write carries exactly the keys its launcher reads."""
     from tritonchat.kernels import conv1d, flash_attention, gdn_chunk, gemm as gemm_mod
-    from tritonchat.kernels import tune_prefill as tp
+    from tritonchat.engine.tuning import prefill as tp
     for quick in (True, False):
         for T in (128, 2048, 8192):
             for silu in (False, True):

@@ -1,7 +1,7 @@
-"""Sweep the fused decode kernels (v2) on the GPU and write decode_tuning.json.
+"""Sweep the fused decode kernels on the GPU and write decode_tuning.json.
 
-    python -m tritonchat.kernels.tune_decode --out kernels/decode_tuning.json [--quick]
-    python -m tritonchat.kernels.tune_decode --bench [--table kernels/decode_tuning.json]
+    python -m tritonchat.engine.tuning.decode --out kernels/decode_tuning.json [--quick]
+    python -m tritonchat.engine.tuning.decode --bench [--table kernels/decode_tuning.json]
 
 The sweep times every fused GEMV of the 0.8B decode step at its true shape and epilogue over
 (block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode, each
@@ -25,11 +25,11 @@ import time
 import torch
 import triton
 
-from . import _common
-from ._common import pdl_mode
-from . import gemv as G
-from .gdn_decode import gdn_decode
-from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
+from tritonchat.kernels import _common
+from tritonchat.kernels import gemv as G
+from tritonchat.kernels._common import pdl_mode
+from tritonchat.kernels.gdn_decode import gdn_decode
+from tritonchat.kernels.sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
 
 # the 0.8B text model (docs/qwen35-text-model.md section 1)
 D, I, V = 1024, 3584, 248320
@@ -270,7 +270,7 @@ def replay_ms(graph, n: int, before=None) -> float:
 def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
     """Measured HBM read bandwidth over a weights-sized buffer: the faster of a torch sum and
     our whole-row streaming read, as the bench's roofline (bandwidth.read_rates_gb_s)."""
-    from .bandwidth import read_rates_gb_s
+    from tritonchat.kernels.bandwidth import read_rates_gb_s
     return max(read_rates_gb_s(nbytes, "cuda", reps=6).values())
 
 
@@ -302,8 +302,8 @@ def bench_kernels(log) -> None:
 def bench_step(log, context: int = 256) -> int:
     """A whole synthetic decode step (fused sequence, 24 layers, own weights) in one graph;
     returns the weight bytes one step streams."""
-    from .attention_decode import (attention_decode, counters_numel, partials_numel, plan_num_splits,
-                                   tile_positions)
+    from tritonchat.kernels.attention_decode import (attention_decode, counters_numel, partials_numel,
+                                                     plan_num_splits, tile_positions)
     torch.manual_seed(0)
     layers = []
     for kind in LAYER_TYPES:

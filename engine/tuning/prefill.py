@@ -1,6 +1,6 @@
 """Measure the prefill kernels at the true Qwen3.5-0.8B shapes and write the tile table.
 
-    python -m tritonchat.kernels.tune_prefill --out kernels/prefill_tuning.json [--quick]
+    python -m tritonchat.engine.tuning.prefill --out kernels/prefill_tuning.json [--quick]
 
 For every kernel family (the five GEMM shapes of the engine's merged projections, conv1d, the
 chunked GDN, flash attention) and every prompt length in T_BUCKETS it times a small grid of
