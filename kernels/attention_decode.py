@@ -33,6 +33,8 @@ round trip instead of the ticket's release/acquire and the merger's round trips)
 defer_groups as well, past D splits every split is in a group of MERGE: the group's last ticket
 merges the group and stores its partial, and the consumer merges the (at most D) group
 partials: no second ticket, no final merger.
+
+PyTorch reference: kernels/reference.py, section "attention_decode": attention_decode_ref.
 """
 from __future__ import annotations
 

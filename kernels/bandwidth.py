@@ -6,6 +6,8 @@ GEMVs at their best) and writes one fp32 sum per row, so no load can be dropped.
 reads faster than `torch.sum` over the same bytes (4.4 against 4.0-4.1 TB/s), so the bench takes
 the faster of the two (`read_rates_gb_s`) as the HBM read rate the decode roofline is measured
 against.
+
+PyTorch reference: torch.sum over the rows (the tests compare with it).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ With seq = [conv_state^T | x] (the Kc-1 previous inputs, oldest first, then the 
 
 The sum is fp32 and rounded to the activation dtype before the SiLU (HF runs F.conv1d in the
 model dtype, then F.silu). The output is allocated by the caller.
+
+PyTorch reference: kernels/reference.py, section "conv1d": causal_conv1d_ref.
 """
 from __future__ import annotations
 

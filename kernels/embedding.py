@@ -2,6 +2,8 @@
 
 The ids are read inside the kernel (no host round-trip), so the decode step can sit in a CUDA
 graph and be replayed with a new token id written into the same device buffer.
+
+PyTorch reference: kernels/reference.py, section "embedding": embedding_gather_ref.
 """
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ rotates its queries on load. One attention program serves all GROUP = H / Hkv qu
 KV head (their rows stacked in one Q tile), so each K/V tile is loaded once per group; blocks
 past the diagonal are skipped, blocks before it run unmasked. The output is allocated by the
 caller.
+
+PyTorch reference: kernels/reference.py, section "flash_attention": attention_prefill_ref.
 """
 from __future__ import annotations
 

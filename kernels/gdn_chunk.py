@@ -22,6 +22,8 @@ Three launches:
 Intermediates (W, U, decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA
 does; the state and every accumulation stay fp32. Scratch is allocated here; `out` and `state`
 come from the caller.
+
+PyTorch reference: kernels/reference.py, section "gdn_chunk": gdn_prefill_ref.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ prologue. What is left here, per value head h (key head h // (Hv/Hk)):
 `round` is a rounding to the activation dtype, placed where HF rounds, so a prefill that
 follows HF hands over to this kernel without a seam. dk and dv are compile-time constants (one
 compile per model), so exact head sizes drop every mask.
+
+PyTorch reference: kernels/reference.py, section "gdn_decode": gdn_decode_ref (gdn_mixer_ref: the whole GDN layer's token step).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@
 Accumulation is fp32 (`tl.dot`); the epilogue rounds where HF rounds (each projection output,
 SiLU(gate), the product) so the result matches a bf16 PyTorch model bit-for-bit up to the
 order of the K-sum. The output is allocated by the caller.
+
+PyTorch reference: kernels/reference.py, section "gemm": gemm_ref.
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ atomics on the data: bit-reproducible run to run).
 Block sizes come from `decode_tuning.json` (written by the decode tuners, engine/tuning/) keyed
 by shape, prologue and epilogue, with a heuristic fallback for other shapes; `plan()` is
 what the engine calls at load.
+
+PyTorch reference: kernels/reference.py, section "gemv": gemv_ref (and matvec_ref, the bare product).
 """
 from __future__ import annotations
 

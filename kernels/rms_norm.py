@@ -4,6 +4,8 @@
 
 One program per row (the row is at most a few thousand wide, so it lives in registers). The
 prefill launches it; in the decode step the norms are GEMV prologues (kernels/gemv.py).
+
+PyTorch reference: kernels/reference.py, section "rms_norm": rms_norm_ref.
 """
 from __future__ import annotations
 

@@ -47,6 +47,8 @@ use this; the engine draws one).
 with row 0 = context (prompt) occurrences and row 1 = generated occurrences (repetition sees
 both rows, presence only row 1). The drawn token is added to the last row by the launch that
 chooses it: `sample_from_logits(..., count=True)` or `lm_head_argmax(..., counts=counts)`.
+
+PyTorch reference: kernels/reference.py, section "sampling": lm_head_argmax_ref, sample_from_logits_ref.
 """
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ def test_attention_long_rope_position():
 
 def test_attention_ref_matches_prefill_reference():
     """Independent references of the same spec: decode at p == prefill of one token at p."""
-    pre = pytest.importorskip("tritonchat.kernels.prefill_reference")
+    from tritonchat.kernels import reference as pre
     H, Hkv, hd, rot, dtype, pos = 4, 2, 48, 16, torch.float16, 21
     qn, kn, kc, vc, g = _setup(H, Hkv, hd, 32, pos, dtype, seed=4)
     qg, k, v = _token(H, Hkv, hd, dtype, g)

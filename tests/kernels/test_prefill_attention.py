@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tritonchat.kernels.flash_attention import attention_prefill
-from tritonchat.kernels.prefill_reference import attention_prefill_ref
+from tritonchat.kernels.reference import attention_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonchat.kernels.conv1d import causal_conv1d
-from tritonchat.kernels.prefill_reference import causal_conv1d_ref
+from tritonchat.kernels.reference import causal_conv1d_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tritonchat.kernels.gdn_chunk import gdn_prefill
-from tritonchat.kernels.prefill_reference import gdn_gates_ref, gdn_prefill_ref
+from tritonchat.kernels.reference import gdn_gates_ref, gdn_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]

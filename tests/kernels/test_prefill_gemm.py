@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tritonchat.kernels.gemm import gemm
-from tritonchat.kernels.prefill_reference import gemm_ref
+from tritonchat.kernels.reference import gemm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]
