@@ -1,8 +1,11 @@
-"""Gated attention decode (QK norm, partial RoPE, KV write, split-KV GQA softmax, output gate)
-vs the reference, at awkward positions and split counts; cache slots >= p hold NaN so any read
-of them shows up."""
+"""kernels/attention_decode.py against reference.attention_decode_ref: gated attention decode
+(QK norm, partial RoPE, KV write, split-KV GQA softmax, output gate) at awkward positions and
+split counts, the merge deferred to the o_proj; cache slots >= p hold NaN so any read of them
+shows up."""
 import pytest
 import torch
+
+from tritonchat.kernels import _common
 
 from tritonchat.kernels.attention_decode import (attention_decode, attention_plan,
                                                  counters_numel, deferred_merge,
@@ -233,6 +236,7 @@ def test_attention_merge_of_more_groups_than_one_chunk():
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
+@pytest.mark.slow
 def test_attention_consecutive_steps_fill_the_cache():
     # a conversation from an empty cache: each step writes slot p and reads 0..p
     H, Hkv, hd, rot, dtype = 4, 2, 24, 8, torch.float16
@@ -433,3 +437,43 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(groups):
         assert bool(torch.isnan(out).all()) == (groups or cdiv(p + 1, bn) <= defer), p
         torch.testing.assert_close(y, want, rtol=6e-2, atol=6e-2)
         assert not cnt.any()
+
+
+def test_attention_range_plans_from_the_table(own_table):
+    """The attention entry's context_ranges (launch plans over ranges of positions, to the end
+    where `below` is absent) are read in ascending order of their start; malformed ones, a
+    repeated start, an empty range and sizes out of range or not powers of two are left out;
+    the entry's own plan is read as before."""
+    from tritonchat.kernels.attention_decode import attention_plan, attention_range_plans
+    ok = '"splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16'
+    bad = [  # each breaks one rule
+        '{"from": 100, "splits_per_sm": 2, "block_n": 48, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 200, "splits_per_sm": 2, "block_n": 8, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 300, "splits_per_sm": 5, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 400, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 0, "merge_splits": 16}',
+        '{"from": 500, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 32}',
+        '{"from": 600, "splits_per_sm": 2, "block_n": 32, "num_warps": 3, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 700, "below": 700, ' + ok + '}', '{"from": -1, ' + ok + '}',
+        '{"from": "x", ' + ok + '}', '{"from": 800, "block_n": 32}', '7']
+    own_table(
+        '{"entries": [{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8, "num_stages": 1,'
+        ' "context_ranges": [{"from": 22528, ' + ok + '}, {"from": 1000, "below": 2000, '
+        '"splits_per_sm": 1, "block_n": 16, "num_warps": 2, "num_stages": 1, "merge_splits": 2},'
+        ' {"from": 22528, ' + ok.replace('"block_n": 32', '"block_n": 64') + '}, '
+        + ", ".join(bad) + ']},'
+        '{"key": "attention:4x2x64", "context_ranges": {"from": 1}}]}')
+    long = dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
+    short = dict(splits_per_sm=1, block_n=16, num_warps=2, num_stages=1, merge_splits=2)
+    assert attention_range_plans(8, 2, 256) == [(1000, 2000, short), (22528, None, long)]
+    assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+    assert attention_range_plans(4, 2, 64) == []          # not a list
+    assert attention_range_plans(4, 1, 64) == []          # no entry
+
+
+def test_the_packaged_table_has_the_long_context_attention_range():
+    """The packaged table's attention plan for long contexts (measured on the H200) is read."""
+    from tritonchat.kernels.attention_decode import attention_range_plans
+    _common.decode_table.cache_clear()
+    plans = attention_range_plans(8, 2, 256)
+    assert [(lo, hi) for lo, hi, _ in plans] == [(22528, None)]
+    assert plans[0][2] == dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
