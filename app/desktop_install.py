@@ -69,7 +69,7 @@ def launcher_command() -> list[str]:
     if found:
         return [str(Path(found).resolve())]
     # Not installed as a script (e.g. a source checkout): run the CLI module with this Python.
-    return [sys.executable, "-m", "tritonchat.engine.cli"]
+    return [sys.executable, "-m", "tritonchat.app.launcher"]
 
 
 def desktop_entry(command: list[str] | None = None) -> str:

@@ -26,6 +26,7 @@ from .options import EngineOptions, SamplingParams, check_switches
 class Backend(ABC):
     name: str = "?"
     options: EngineOptions
+    notes: tuple = ()           # sentences about options turned off at start (engine/compat.py)
 
     @property
     @abstractmethod

@@ -1,4 +1,5 @@
-"""`tritonchat` command line: generate, chat, bench, install-desktop; no sub-command opens the app.
+"""`tritonchat` command line: generate, chat and bench (app/launcher.py adds the app and
+install-desktop, so the engine never imports the app).
 
 Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
 """
@@ -69,7 +70,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tritonchat", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tritonchat", description="Chat with Qwen3.5-0.8B on hand-written Triton kernels; with no sub-command the desktop app opens.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     ap.add_argument("--model", dest="app_model", default=None, help="(app) model folder or hub id")
     sub = ap.add_subparsers(dest="command")
@@ -113,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- helpers ----
+
+def check_model_folder(model: Optional[str]) -> None:
+    """A --model written as a path must be a model folder: said at once, before torch or Qt load."""
+    from . import hub
+    if not model or not hub.is_local_dir(model):
+        return
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        raise UsageError(f"The model folder {model} does not exist.")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"{model} is not a model folder (it has no config.json).")
+
 
 def _model_dir(model: Optional[str], offline: bool):
     from . import hub
@@ -265,36 +278,23 @@ def cmd_bench(args) -> int:
     return run_bench(args, engine_options(args))
 
 
-def cmd_install_desktop(args) -> int:
-    from tritonchat.app.desktop_install import install, uninstall
-    if args.uninstall:
-        uninstall()
-        print("Removed the tritonchat desktop entry.")
-    else:
-        for p in install():
-            print(p)
-    return 0
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
 
 
-def cmd_app(args) -> int:
-    try:
-        from tritonchat.app.main import main as app_main
-    except ImportError as e:
-        raise TritonChatError(f"The desktop app cannot start: {e}. Install PySide6 (pip install PySide6).") from e
-    argv = ["--model", args.app_model] if args.app_model else []
-    return app_main(argv)
+def _no_app(args) -> int:
+    raise UsageError("The desktop app and install-desktop start from the `tritonchat` program "
+                     "(python -m tritonchat.app.launcher); this module runs the engine's commands.")
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
-            "install-desktop": cmd_install_desktop, None: cmd_app}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, app_commands: Optional[dict] = None) -> int:
+    """Run one command; app_commands (app/launcher.py) adds the app and install-desktop."""
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("TRITONCHAT_DEBUG") == "1"
     try:
-        return COMMANDS[args.command](args)
+        check_model_folder(getattr(args, "model", None) or getattr(args, "app_model", None))
+        commands = {**COMMANDS, **(app_commands or {})}
+        return commands.get(args.command, _no_app)(args)
     except TritonChatError as e:
         if debug:
             traceback.print_exc()

@@ -33,7 +33,11 @@ def make_backend(cfg: TextConfig, weights: dict, options: EngineOptions, valid_v
     except ImportError as e:
         raise BackendUnavailableError(
             "The Triton backend is not available in this build; use --backend reference.", details=str(e)) from e
-    return TritonBackend(cfg, weights, options, valid_vocab=valid_vocab, progress=progress)
+    from .compat import check_gpu_stack
+    options, notes = check_gpu_stack(options)
+    backend = TritonBackend(cfg, weights, options, valid_vocab=valid_vocab, progress=progress)
+    backend.notes = notes
+    return backend
 
 
 def load_backend(model_dir: str | Path, options: EngineOptions, valid_vocab: Optional[int] = None,

@@ -236,7 +236,7 @@ def test_launcher_command_fallbacks(tmp_path, monkeypatch):
     fake_python.parent.mkdir()
     monkeypatch.setattr(sys, "executable", str(fake_python))
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert di.launcher_command() == [str(fake_python), "-m", "tritonchat.engine.cli"]
+    assert di.launcher_command() == [str(fake_python), "-m", "tritonchat.app.launcher"]
     script = tmp_path / "bin" / "tritonchat"
     script.write_text("#!/bin/sh\n")
     script.chmod(0o755)

@@ -20,7 +20,7 @@ def test_wheel_contents(tmp_path):
         assert required in names, required
     assert not any(n.startswith(("kernels/", "engine/", "app/")) for n in names)   # no bare top-level packages
     meta = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "tritonchat = tritonchat.engine.cli:main" in zipfile.ZipFile(wheel).read(meta).decode()
+    assert "tritonchat = tritonchat.app.launcher:main" in zipfile.ZipFile(wheel).read(meta).decode()
 
 
 def test_device_qt_bundle_lists_what_the_app_needs():

@@ -12,7 +12,7 @@ from tests.fixtures.checkpoints import make_tiny_checkpoint
 def run_cli(*args, env=None):
     e = dict(os.environ, HF_HUB_OFFLINE="1")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tritonchat.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tritonchat.app.launcher", *args], capture_output=True, text=True,
                           timeout=300, env=e)
 
 
@@ -56,7 +56,7 @@ def test_bad_inputs(model_dir, tmp_path):
     _bad(run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x"), "does not exist")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _bad(run_cli("generate", "--model", str(empty), "--prompt", "x"), "tokenizer.json")
+    _bad(run_cli("generate", "--model", str(empty), "--prompt", "x"), "no config.json")
     # config that is not JSON
     bad = tmp_path / "badcfg"
     bad.mkdir()
@@ -158,3 +158,30 @@ def test_every_engine_switch_is_a_flag_of_generate_chat_and_bench():
                                                "off" if getattr(EngineOptions(), n) else "on")]
         opts = engine_options(p.parse_args(cmd[:1] + ["--device", "cpu"] + flipped + cmd[1:]))
         assert all(getattr(opts, n) != getattr(EngineOptions(), n) for n in names), cmd
+
+
+def test_a_missing_model_folder_is_refused_at_once_before_torch_or_qt(tmp_path):
+    """generate, bench and the app (no sub-command) answer a --model path that is not a model
+    folder in one sentence, fast (the check runs before torch or Qt load), naming the program
+    once."""
+    import time
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = str(tmp_path / "missing")
+    for args, words in ((["generate", "--model", missing, "--prompt", "x"], "does not exist"),
+                        (["bench", "--model", missing], "does not exist"),
+                        (["--model", missing], "does not exist"),
+                        (["--model", str(empty)], "no config.json")):
+        t0 = time.perf_counter()
+        r = run_cli(*args, env={"QT_QPA_PLATFORM": "offscreen"})
+        assert time.perf_counter() - t0 < 10
+        _bad(r, words)
+        assert r.stderr.count("tritonchat") == 1, r.stderr
+    # in-process: the check itself imports neither torch nor PySide6
+    import subprocess, sys
+    code = ("import sys; from tritonchat.engine import cli; "
+            f"rc = cli.main(['generate', '--model', {str(tmp_path / 'missing')!r}, '--prompt', 'x']); "
+            "assert 'torch' not in sys.modules and 'PySide6' not in sys.modules, sorted(sys.modules); "
+            "sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr

@@ -1,0 +1,1084 @@
+"""Premise test for a persistent decode step (issue #59, step 1): the real MLP chain of a few
+Qwen3.5-0.8B layers as ONE persistent Triton kernel, against today's per-operator kernels.
+
+Per layer l (hidden H = 1024, intermediate I = 3584, bf16 weights):
+
+    x   = round(h * rsqrt(mean(h^2) + eps) * (1 + w_l))        RMSNorm, zero-centred weight
+    a   = round(silu(Wg_l x) * (Wu_l x))                        gate_up [2I, H] merged, SiLU*mul
+    h   = round(h + Wd_l a)                                     down [H, I] + residual, in place
+
+Variants (``--variant a,b,...`` or ``--all``):
+
+  baseline          today's kernels: tritonchat.kernels.gemv.gemv_fused with the plans and
+                    prologue/epilogue options the engine uses (rms prologue + silu_mul, then
+                    residual), PDL as the engine sets it, CUDA-graph captured.
+  phase*            the persistent kernel's own code run one launch per operator (constexpr
+                    PHASE = 0 gate_up / 1 down; no spinning), PDL between the launches: today's
+                    per-operator structure built from this kernel. ``phase_l2`` / ``phase_bulk``
+                    add an L2 prefetch of the NEXT operator's weights at each kernel's start
+                    (way (b): per-operator kernels stay, weights are fetched ahead into L2).
+  persist*          ONE launch per chain, grid = SMs x programs per SM (checked against the
+                    occupancy of the compiled kernel), every program walking a static task list
+                    (operator, row tile: tile t of an operator belongs to program t mod grid) and
+                    waiting on per-operator completion counters (spin on an acquire atomic or a
+                    volatile load, timeout-guarded). Counters only grow: a program reads its own
+                    epoch slot e at start and waits for counter >= (e + 1) * tiles_of_op, so
+                    nothing is reset between chains (CUDA graph replays included). Sums are
+                    deterministic (each output row is one program's fp32 reduction, no float
+                    atomics). Each gate_up task recomputes the norm of h (1024 values) after its
+                    wait instead of a separate norm phase.
+       _sw          way (a), software-pipelined loads in registers: a program loads its next
+                    task's weight tile before computing the current one, and its first tile of
+                    the next operator(s) BEFORE spinning on the counter of the current one.
+       _stages      way (a'), no manual pipelining but the task loop is a tl.range with
+                    num_stages=3 (Triton's own pipeliner, cp.async into shared memory).
+       _l2 / _bulk  way (b) inside the persistent kernel: at the start of each operator a program
+                    issues ``prefetch.global.L2`` per 128-B line (``_l2``) or
+                    ``cp.async.bulk.prefetch.L2`` per 2-KB chunk (``_bulk``) for its tiles of the
+                    operator PF_DEPTH ahead (``_d2``: two operators ahead), then waits.
+       _x2 / _vol   two programs per SM / spin on a volatile load (then one acquire).
+
+Stall injection: the program owning tile 0 of one operator (default the middle one) spins
+``--stall-ns`` (1000) on %globaltimer before its compute; the report gives the chain time with
+the stall minus without (the same compiled kernel, stall 0), per chain.
+
+Reports: weight bytes per chain, the byte roofline at the HBM read rate measured in the same run
+(tritonchat.kernels.bandwidth.read_rates_gb_s), us per chain, GB/s and fraction of the roofline
+per variant, the stall cost, and each variant's error against a PyTorch fp32 reference of the
+chain (rounded where the kernels round). A human table, then ONE final JSON line.
+
+    PYTHONUNBUFFERED=1 python benchmarks/persistent_mlp.py --all           (GPU, true shape)
+    TRITON_INTERPRET=1 python benchmarks/persistent_mlp.py --device cpu --phase \
+        --hidden 64 --inter 96 --layers 2 --dtype float32                  (CPU smoke test)
+    python benchmarks/persistent_mlp.py --compile-only --all               (offline sm_90 compile,
+                                                                            ptxas register counts)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+# The interpreter must be chosen before triton.jit decorates anything below.
+if "--device" in sys.argv:
+    _i = sys.argv.index("--device")
+    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _import_tritonchat():
+    """tritonchat.kernels from an install, else from this checkout through a symlink shim (the
+    device runs the repo without installing it)."""
+    try:
+        import tritonchat.kernels.gemv  # noqa: F401
+        return
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parent.parent
+    tag = hashlib.sha1(str(root).encode()).hexdigest()[:10]
+    shim = Path(tempfile.gettempdir()) / f"tritonchat_shim_{tag}"
+    pkg = shim / "tritonchat"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").touch()
+    for d in ("engine", "kernels", "app", "resources"):
+        link = pkg / d
+        if link.is_symlink() and os.readlink(link) != str(root / d):
+            link.unlink()
+        if not link.exists():
+            os.symlink(root / d, link)
+    sys.path.insert(0, str(shim))
+    for m in [m for m in sys.modules if m == "tritonchat" or m.startswith("tritonchat.")]:
+        del sys.modules[m]
+
+
+_import_tritonchat()
+
+
+# ------------------------------------------------------------------------------------------
+# device helpers (GPU only: inline PTX is not available in the interpreter)
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _stall(ns, stamp_ptr):
+    """Spin `ns` nanoseconds on %globaltimer; the time actually spent goes to stamp_ptr[0]."""
+    t0 = _globaltimer()
+    t = t0
+    while t - t0 < ns:
+        t = _globaltimer()
+    tl.store(stamp_ptr, t - t0)
+
+
+@triton.jit
+def _wait_counter(cnt_ptr, target, err_ptr, timeout_ns, SPIN: tl.constexpr):
+    """Block the program until cnt_ptr[0] >= target (acquire). Spins on an acquire atomic
+    (SPIN 0: one thread reads, the value is broadcast, so the loop is uniform) or on a volatile
+    load followed by one acquire atomic (SPIN 1). After `timeout_ns` it gives up and sets
+    err_ptr[0] = 1 instead of hanging (a grid that is not co-resident would deadlock)."""
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    if c < target:
+        t0 = _globaltimer()
+        while c < target:
+            if SPIN == 0:
+                c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+            else:
+                c = tl.load(cnt_ptr, volatile=True)
+            if _globaltimer() - t0 > timeout_ns:
+                tl.atomic_xchg(err_ptr, 1)
+                c = target
+        if SPIN == 1:
+            c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    # every thread's later activation loads after the acquiring thread's read
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal(cnt_ptr, n):
+    """cnt_ptr[0] += n after all of this program's stores (barrier, then a release atomic)."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, n, sem="release", scope="gpu")
+
+
+@triton.jit
+def _pf_tiles(base, T, pid, G, TILE_EL: tl.constexpr, MAXT: tl.constexpr, NCH: tl.constexpr,
+              CH: tl.constexpr, PF: tl.constexpr):
+    """L2 prefetch of this program's tiles t = pid, pid + G, ... < T of one weight operand
+    (tile t = TILE_EL contiguous elements at base + t * TILE_EL), in chunks of CH elements:
+    PF 1 one `prefetch.global.L2` per chunk (CH = one 128-B line), PF 2 one
+    `cp.async.bulk.prefetch.L2` of CH elements per chunk. Lanes past the end repeat a valid
+    address (a harmless second prefetch)."""
+    i = tl.arange(0, MAXT)
+    t = pid + i * G
+    t = tl.where(t < T, t, tl.minimum(pid, T - 1))
+    c = tl.arange(0, NCH)
+    c = tl.where(c * CH < TILE_EL, c, 0)
+    ptrs = base + (t.to(tl.int64)[:, None] * TILE_EL + (c * CH)[None, :])
+    if PF == 1:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        nbytes = tl.full([MAXT, NCH], CH * 2, tl.int32)   # 2: bf16/fp16 weights (host checks)
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tcp.async.bulk.prefetch.L2.global [$1], $2;",
+                                  "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pf_op(wgu_ptr, wd_ptr, layer0, qn, n_ph, pid, G,
+           H: tl.constexpr, I: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+           MAXT_GU: tl.constexpr, MAXT_D: tl.constexpr, NCH_GU: tl.constexpr,
+           NCH_D: tl.constexpr, CH_GU: tl.constexpr, CH_D: tl.constexpr, PF: tl.constexpr):
+    """Prefetch into L2 this program's weight tiles of operator qn of the chain (2l: gate_up
+    of layer l, both halves; 2l + 1: down of layer l); nothing past the chain's end."""
+    if qn < n_ph:
+        L = (layer0 + qn // 2).to(tl.int64)
+        if qn % 2 == 0:
+            base = wgu_ptr + L * (2 * I * H)
+            _pf_tiles(base, I // BN_GU, pid, G, BN_GU * H, MAXT_GU, NCH_GU, CH_GU, PF)
+            _pf_tiles(base + I * H, I // BN_GU, pid, G, BN_GU * H, MAXT_GU, NCH_GU, CH_GU, PF)
+        else:
+            base = wd_ptr + L * (H * I)
+            _pf_tiles(base, H // BN_D, pid, G, BN_D * I, MAXT_D, NCH_D, CH_D, PF)
+
+
+@triton.jit
+def _rows_load(base, rows, ok, offs, K: tl.constexpr, KP: tl.constexpr):
+    """W[rows, :K] of a row-major [*, K] matrix as a [len(rows), KP] tile (rows with ok False and
+    columns >= K read as 0 and cost no memory traffic); weights stream once: evict_first."""
+    ptrs = base + rows.to(tl.int64)[:, None] * K + offs[None, :]
+    if KP == K:
+        m = ok[:, None]
+    else:
+        m = ok[:, None] & (offs < K)[None, :]
+    return tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+
+
+# ------------------------------------------------------------------------------------------
+# the chain kernel: persistent (PHASE -1) or one operator per launch (PHASE 0 / 1)
+# ------------------------------------------------------------------------------------------
+
+# no value specialisation of the runtime scalars: one binary for every weight set, layer and
+# stall setting (Triton would otherwise compile apart for values 1 and multiples of 16)
+@triton.jit(do_not_specialize=["n_layers", "layer0", "phase_layer", "G", "stall_op", "stall_ns",
+                               "timeout_ns"])
+def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_ptr, err_ptr,
+                      stamp_ptr, n_layers, layer0, phase_layer, G, eps, stall_op, stall_ns,
+                      timeout_ns,
+                      H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, IP: tl.constexpr,
+                      BN_GU: tl.constexpr, BN_D: tl.constexpr, PHASE: tl.constexpr,
+                      LOOKAHEAD: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr,
+                      PF_DEPTH: tl.constexpr, MAXT_GU: tl.constexpr, MAXT_D: tl.constexpr,
+                      NCH_GU: tl.constexpr, NCH_D: tl.constexpr, CH_GU: tl.constexpr,
+                      CH_D: tl.constexpr, SPIN: tl.constexpr, STALL: tl.constexpr,
+                      PDL: tl.constexpr):
+    # Operators of the chain: q = 2l (gate_up + norm prologue + SiLU*mul of layer l, T_GU
+    # tiles of BN_GU gate rows and their BN_GU up rows), q = 2l + 1 (down + residual, T_D tiles
+    # of BN_D rows). Operator q's counter cnt[q] grows by T_q per chain. Weights are stacked
+    # per layer; this chain uses layers layer0 .. layer0 + n_layers - 1.
+    pid = tl.program_id(0)
+    ACT = h_ptr.dtype.element_ty
+    T_GU: tl.constexpr = I // BN_GU
+    T_D: tl.constexpr = H // BN_D
+    n_gu = tl.maximum((T_GU - pid + G - 1) // G, 0)        # my tiles: pid, pid + G, ...
+    n_d = tl.maximum((T_D - pid + G - 1) // G, 0)
+    n_ph = 2 * n_layers
+    offs_h = tl.arange(0, HP)
+    offs_i = tl.arange(0, IP)
+    rg = tl.arange(0, BN_GU)
+    rd = tl.arange(0, BN_D)
+    if PHASE == -1:
+        l_lo = 0
+        l_hi = n_layers
+        base_cnt = tl.load(epoch_ptr + pid) + 1            # this chain's counter multiple
+    else:
+        l_lo = phase_layer
+        l_hi = phase_layer + 1
+        base_cnt = 1
+    if PF != 0:
+        if PHASE == -1:
+            for d in tl.static_range(1, PF_DEPTH):        # the operators before the first
+                _pf_op(wgu_ptr, wd_ptr, layer0, d, n_ph, pid, G, H, I, BN_GU, BN_D, MAXT_GU,
+                       MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)   # operator's own look-ahead
+    if PHASE != 1:
+        if LOOKAHEAD == 1:
+            # my first gate_up tile of the first layer, before anything waits
+            L0 = (layer0 + l_lo).to(tl.int64)
+            g_rows = pid * BN_GU + rg
+            wg_c = _rows_load(wgu_ptr + L0 * (2 * I * H), g_rows, g_rows < I, offs_h, H, HP)
+            wu_c = _rows_load(wgu_ptr + L0 * (2 * I * H) + I * H, g_rows, g_rows < I, offs_h,
+                              H, HP)
+    for l in range(l_lo, l_hi):
+        L = (layer0 + l).to(tl.int64)
+        wgu_l = wgu_ptr + L * (2 * I * H)
+        wd_l = wd_ptr + L * (H * I)
+        # ---------------- gate_up of layer l (operator q = 2l) ----------------
+        if PHASE != 1:
+            q = 2 * l
+            if PF != 0:
+                _pf_op(wgu_ptr, wd_ptr, layer0, q + PF_DEPTH, n_ph, pid, G, H, I, BN_GU, BN_D,
+                       MAXT_GU, MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)
+            if LOOKAHEAD == 1:
+                if PHASE == -1:
+                    # my first down tile of this layer, before the wait
+                    d_rows = pid * BN_D + rd
+                    wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+            nw = tl.load(nw_ptr + L * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+            if PHASE == -1:
+                if l > 0:
+                    _wait_counter(cnt_ptr + q - 1, base_cnt * T_D, err_ptr, timeout_ns, SPIN)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            if STALL:
+                if (q == stall_op) & (pid == 0):
+                    _stall(stall_ns, stamp_ptr)
+            hv = tl.load(h_ptr + offs_h, mask=offs_h < H, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            inv = tl.rsqrt(tl.sum(hv * hv, axis=0) / H + eps)
+            x = (hv * inv * (1.0 + nw)).to(ACT).to(tl.float32)
+            if LOOKAHEAD == 1:
+                for i in range(0, n_gu):
+                    rows = (pid + i * G) * BN_GU + rg
+                    nrows = rows + G * BN_GU
+                    nok = nrows < I       # past my last tile: nothing is loaded
+                    wg_n = _rows_load(wgu_l, nrows, nok, offs_h, H, HP)
+                    wu_n = _rows_load(wgu_l + I * H, nrows, nok, offs_h, H, HP)
+                    g = tl.sum(wg_c.to(tl.float32) * x[None, :], axis=1)
+                    u = tl.sum(wu_c.to(tl.float32) * x[None, :], axis=1)
+                    tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(ACT), mask=rows < I)
+                    wg_c = wg_n
+                    wu_c = wu_n
+            else:
+                for i in tl.range(0, n_gu, num_stages=STAGES):
+                    rows = (pid + i * G) * BN_GU + rg
+                    ok = rows < I
+                    wg = _rows_load(wgu_l, rows, ok, offs_h, H, HP)
+                    wu = _rows_load(wgu_l + I * H, rows, ok, offs_h, H, HP)
+                    g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+                    u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+                    tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(ACT), mask=ok)
+            if PHASE == -1:
+                _signal(cnt_ptr + q, n_gu)
+        # ---------------- down + residual of layer l (operator q = 2l + 1) ----------------
+        if PHASE != 0:
+            q = 2 * l + 1
+            if PF != 0:
+                _pf_op(wgu_ptr, wd_ptr, layer0, q + PF_DEPTH, n_ph, pid, G, H, I, BN_GU, BN_D,
+                       MAXT_GU, MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)
+            if LOOKAHEAD == 1:
+                if PHASE == -1:
+                    # my first gate_up tile of the next layer, before the wait
+                    g_rows = pid * BN_GU + rg
+                    g_ok = g_rows < tl.where(l + 1 < l_hi, I, 0)      # none after the last
+                    wg_c = _rows_load(wgu_l + 2 * I * H, g_rows, g_ok, offs_h, H, HP)
+                    wu_c = _rows_load(wgu_l + 3 * I * H, g_rows, g_ok, offs_h, H, HP)
+                else:
+                    d_rows = pid * BN_D + rd
+                    wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+            if PHASE == -1:
+                _wait_counter(cnt_ptr + q - 1, base_cnt * T_GU, err_ptr, timeout_ns, SPIN)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            if STALL:
+                if (q == stall_op) & (pid == 0):
+                    _stall(stall_ns, stamp_ptr)
+            av = tl.load(act_ptr + offs_i, mask=offs_i < I, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            if LOOKAHEAD == 1:
+                wd_c = wd_f
+                for i in range(0, n_d):
+                    rows = (pid + i * G) * BN_D + rd
+                    nrows = rows + G * BN_D
+                    nok = nrows < H
+                    wd_n = _rows_load(wd_l, nrows, nok, offs_i, I, IP)
+                    r = tl.load(h_ptr + rows, mask=rows < H, other=0.0,
+                                cache_modifier=".cg").to(tl.float32)
+                    y = tl.sum(wd_c.to(tl.float32) * av[None, :], axis=1) + r
+                    tl.store(h_ptr + rows, y.to(ACT), mask=rows < H)
+                    wd_c = wd_n
+            else:
+                for i in tl.range(0, n_d, num_stages=STAGES):
+                    rows = (pid + i * G) * BN_D + rd
+                    ok = rows < H
+                    wd = _rows_load(wd_l, rows, ok, offs_i, I, IP)
+                    r = tl.load(h_ptr + rows, mask=ok, other=0.0,
+                                cache_modifier=".cg").to(tl.float32)
+                    y = tl.sum(wd.to(tl.float32) * av[None, :], axis=1) + r
+                    tl.store(h_ptr + rows, y.to(ACT), mask=ok)
+            if PHASE == -1:
+                _signal(cnt_ptr + q, n_d)
+    if PHASE == -1:
+        tl.store(epoch_ptr + pid, base_cnt)
+
+
+# ------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class Variant:
+    name: str
+    mode: str                   # baseline | phase | persist
+    lookahead: int = 0          # 1: software-pipelined register loads (way a)
+    stages: int = 1             # tl.range num_stages of the task loop (lookahead 0 only)
+    pf: int = 0                 # 1: prefetch.global.L2 per line, 2: cp.async.bulk.prefetch.L2
+    pf_depth: int = 1           # operators ahead that a program prefetches
+    ppsm: int = 1               # programs per SM
+    spin: int = 0               # 0 acquire atomic, 1 volatile load
+    pdl: int = 1                # phase mode: programmatic dependent launch between operators
+    what: str = ""
+
+
+VARIANTS = [
+    Variant("baseline", "baseline", what="today's gemv_fused per operator, engine plans + PDL"),
+    Variant("phase", "phase", lookahead=1, what="this kernel, one launch per operator, PDL"),
+    Variant("phase_l2", "phase", lookahead=1, pf=1,
+            what="(b) per-op launches + prefetch.global.L2 of the next operator's weights"),
+    Variant("phase_bulk", "phase", lookahead=1, pf=2,
+            what="(b) per-op launches + cp.async.bulk.prefetch.L2 of the next operator"),
+    Variant("persist", "persist", what="persistent, counters, no fetch-ahead (control)"),
+    Variant("persist_stages", "persist", stages=3,
+            what="(a') persistent, task loop tl.range(num_stages=3)"),
+    Variant("persist_sw", "persist", lookahead=1,
+            what="(a) persistent, next tiles in registers before each wait"),
+    Variant("persist_l2", "persist", pf=1, what="(b) persistent, L2 prefetch 1 operator ahead"),
+    Variant("persist_sw_l2", "persist", lookahead=1, pf=1, what="(a)+(b) registers + L2 1 ahead"),
+    Variant("persist_sw_l2d2", "persist", lookahead=1, pf=1, pf_depth=2,
+            what="(a)+(b) registers + L2 2 operators ahead"),
+    Variant("persist_sw_bulk", "persist", lookahead=1, pf=2,
+            what="(a)+(b) registers + bulk L2 prefetch 1 ahead"),
+    Variant("persist_sw_l2_x2", "persist", lookahead=1, pf=1, ppsm=2,
+            what="(a)+(b), 2 programs per SM"),
+    Variant("persist_sw_l2_vol", "persist", lookahead=1, pf=1, spin=1,
+            what="(a)+(b), spin on a volatile load"),
+]
+DEFAULT_VARIANTS = "baseline,phase,phase_l2,persist,persist_sw,persist_l2,persist_sw_l2"
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def next_pow2(n):
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+class Chain:
+    """Weights (n_sets independent copies of n_layers layers, so that successive timed chains
+    read weights from HBM, not L2), activations and the persistent kernel's scratch."""
+
+    def __init__(self, hidden, inter, n_layers, n_sets, dtype, device, seed=0, eps=1e-6):
+        self.H, self.I, self.L, self.S = hidden, inter, n_layers, n_sets
+        self.dtype, self.device, self.eps = dtype, torch.device(device), eps
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        nl = n_layers * n_sets
+
+        def rnd(*shape, scale):
+            # generated per layer on CPU in fp32, stored in the chain's dtype
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        self.wgu = torch.empty(nl, 2 * inter, hidden, dtype=dtype, device=device)
+        self.wd = torch.empty(nl, hidden, inter, dtype=dtype, device=device)
+        for i in range(nl):
+            self.wgu[i].copy_(rnd(2 * inter, hidden, scale=hidden ** -0.5))
+            self.wd[i].copy_(rnd(hidden, inter, scale=inter ** -0.5))
+        self.nw = rnd(nl, hidden, scale=0.1).to(device)
+        self.h0 = rnd(hidden, scale=1.0).to(device)
+        self.h = self.h0.clone()
+        self.act = torch.zeros(inter, dtype=dtype, device=device)
+
+    @property
+    def weight_bytes(self):
+        """Weight bytes one chain reads (norm weights included)."""
+        e = torch.empty((), dtype=self.dtype).element_size()
+        return self.L * (3 * self.H * self.I + self.H) * e
+
+    def reset(self):
+        self.h.copy_(self.h0)
+
+    def reference(self, s=0):
+        """fp32 PyTorch chain on weight set s, rounded to the activation dtype exactly where the
+        kernels round (norm output, SiLU*mul output, residual sum)."""
+        dt, I = self.dtype, self.I
+        h = self.h0.float()
+        for l in range(s * self.L, (s + 1) * self.L):
+            x = h * torch.rsqrt(h.pow(2).mean() + self.eps) * (1.0 + self.nw[l].float())
+            x = x.to(dt).float()
+            gu = self.wgu[l].float() @ x
+            gt, up = gu[:I], gu[I:]
+            a = (gt * torch.sigmoid(gt) * up).to(dt).float()
+            h = (h + self.wd[l].float() @ a).to(dt).float()
+        return h
+
+
+class Runner:
+    """Launches one chain of a variant on weight set s: run(s)."""
+
+    def __init__(self, chain: Chain, v: Variant, args, n_layers=None):
+        self.c, self.v, self.args = chain, v, args
+        self.nl = n_layers or chain.L            # layers a chain runs (set s starts at s * L)
+        dev = chain.device
+        self.is_cuda = dev.type == "cuda"
+        if v.mode == "baseline":
+            self._init_baseline()
+            return
+        H, I = chain.H, chain.I
+        if I % args.bn_gu or H % args.bn_d:
+            raise ValueError(f"tiles must divide the shape: I={I} % {args.bn_gu}, "
+                             f"H={H} % {args.bn_d}")
+        if self.is_cuda:
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self.G = sms * v.ppsm
+        elif v.mode == "persist":
+            # the interpreter runs programs one after another: a single program is the only
+            # persistent grid that cannot deadlock there (it satisfies its own waits)
+            self.G = 1
+        else:
+            self.G = args.cpu_programs
+        self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
+        esz = torch.empty((), dtype=chain.dtype).element_size()
+        if v.pf and esz != 2:
+            raise ValueError("the L2 prefetch variants assume 2-byte weights")
+        if v.pf == 1:
+            ch = max(1, args.pf_line // esz)
+        else:
+            ch = max(8, args.pf_chunk // esz)
+        tile_gu, tile_d = args.bn_gu * H, args.bn_d * I
+        ch_gu, ch_d = math.gcd(ch, tile_gu), math.gcd(ch, tile_d)   # chunks tile exactly
+        self.meta = dict(
+            H=H, I=I, HP=next_pow2(H), IP=next_pow2(I), BN_GU=args.bn_gu, BN_D=args.bn_d,
+            LOOKAHEAD=v.lookahead, STAGES=v.stages, PF=v.pf, PF_DEPTH=v.pf_depth,
+            MAXT_GU=next_pow2(cdiv(I // args.bn_gu, self.G)),
+            MAXT_D=next_pow2(cdiv(H // args.bn_d, self.G)),
+            NCH_GU=next_pow2(cdiv(tile_gu, ch_gu)), NCH_D=next_pow2(cdiv(tile_d, ch_d)),
+            CH_GU=ch_gu, CH_D=ch_d, SPIN=v.spin, STALL=not INTERPRET,
+            num_warps=args.num_warps)
+        self.pdl = bool(v.pdl and v.mode == "phase" and self.is_cuda and not INTERPRET
+                        and torch.cuda.get_device_capability(dev)[0] >= 9)
+        self.stall_op, self.stall_ns = -1, 0
+        self.timeout_ns = int(args.spin_timeout_ms * 1e6)
+        self.occupancy = None
+
+    # -------------------------------------------------------------------- baseline ----
+    def _init_baseline(self):
+        from tritonchat.kernels import gemv as Gm
+        c = self.c
+        if self.is_cuda:
+            Gm.USE_PDL = os.environ.get("TRITONCHAT_PDL", "1") == "1"      # as the engine
+            Gm.PDL_EARLY = Gm.table_pdl_early()
+        self.Gm = Gm
+        self.p_gu = Gm.fused_plan(c.I, c.H, "rms", "silu_mul")
+        self.p_d = Gm.fused_plan(c.H, c.I, "none", "residual")
+        n_p, n_c = 1, 1
+        for p, n_out, silu in ((self.p_gu, c.I, True), (self.p_d, c.H, False)):
+            a, b = Gm.fused_scratch_numel(n_out, p, silu)
+            n_p, n_c = max(n_p, a), max(n_c, b)
+        self.partials = torch.zeros(n_p, dtype=torch.float32, device=c.device)
+        self.counters = torch.zeros(n_c, dtype=torch.int32, device=c.device)
+
+    def _kw(self, p):
+        return dict(split_k=p["split_k"], partials=self.partials, counters=self.counters,
+                    block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
+                    persistent=p.get("persistent", 0))
+
+    # ------------------------------------------------------------------------ launch ----
+    def _launch(self, s, phase, layer):
+        c = self.c
+        kw = dict(self.meta)
+        if self.pdl:
+            kw["launch_pdl"] = True
+        _mlp_chain_kernel[(self.G,)](
+            c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
+            self.nl, s * c.L, layer, self.G, c.eps, self.stall_op, self.stall_ns,
+            self.timeout_ns,
+            PHASE=phase, PDL=1 if self.pdl else 0, **kw)
+
+    def run(self, s=0):
+        c, v = self.c, self.v
+        if v.mode == "baseline":
+            Gm = self.Gm
+            for l in range(s * c.L, s * c.L + self.nl):
+                Gm.gemv_fused(c.h, c.wgu[l], c.act, norm_w=c.nw[l], eps=c.eps, silu_mul=True,
+                              **self._kw(self.p_gu))
+                Gm.gemv_fused(c.act, c.wd[l], c.h, residual=c.h, **self._kw(self.p_d))
+        elif v.mode == "phase":
+            for l in range(self.nl):
+                self._launch(s, 0, l)
+                self._launch(s, 1, l)
+        else:
+            self._launch(s, -1, 0)
+
+    def check_occupancy(self):
+        """Compile without launching and check that the grid fits on the GPU at once (a
+        persistent grid that is not co-resident deadlocks; the spin timeout is the last guard).
+        Returns a dict (regs, spills, shared, programs_per_sm_max); raises if it cannot fit."""
+        if not self.is_cuda or self.v.mode != "persist":
+            return None
+        c = self.c
+        info = dict(grid=self.G)
+        try:
+            k = _mlp_chain_kernel.warmup(
+                c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
+                self.nl, 0, 0, self.G, c.eps, -1, 0, self.timeout_ns, PHASE=-1, PDL=0,
+                grid=(self.G,), **self.meta)
+            k._init_handles()
+            regs, spills = int(k.n_regs), int(k.n_spills)
+            shared = int(getattr(k.metadata, "shared", 0) or 0)
+        except Exception as e:               # fall back on the spin timeout alone
+            info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
+            self.occupancy = info
+            return info
+        props = torch.cuda.get_device_properties(c.device)
+        warps = self.meta["num_warps"]
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        thr_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        per_warp = cdiv(max(regs, 1) * 32, 256) * 256
+        by_regs = (regs_sm // per_warp) // warps
+        by_thr = thr_sm // (32 * warps)
+        by_smem = smem_sm // (shared + 1024) if shared else 32
+        fit = min(by_regs, by_thr, by_smem, 32)
+        info.update(regs=regs, spills=spills, shared=shared, programs_per_sm_max=fit)
+        self.occupancy = info
+        if fit < self.v.ppsm:
+            raise RuntimeError(f"grid not co-resident: {self.v.ppsm} programs/SM asked, "
+                               f"{fit} fit (regs {regs}, shared {shared} B, {warps} warps)")
+        return info
+
+    def errored(self):
+        return self.v.mode != "baseline" and int(self.err.item()) != 0
+
+
+# ------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def make_timed(runner: Runner, n_sets, reps, graph):
+    """A callable that enqueues `reps` chains (weight sets in turn), CUDA-graph captured when
+    `graph` (eager if the capture fails); (fn, chains per call, graphed)."""
+    dev = runner.c.device
+
+    def eager():
+        for k in range(reps):
+            runner.run(k % n_sets)
+    for _ in range(2):
+        eager()
+    _sync(dev)
+    if not graph or dev.type != "cuda":
+        return eager, reps, False
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            eager()
+        g.replay()
+        _sync(dev)
+    except Exception as e:
+        print(f"#   graph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
+        _sync(dev)
+        return eager, reps, False
+    runner._graphs = getattr(runner, "_graphs", []) + [g]       # keep it alive
+    return g.replay, reps, True
+
+
+def time_us(fn, per_call, iters, dev):
+    """us per chain over `iters` calls (CUDA events on the GPU, wall clock on the CPU)."""
+    if dev.type == "cuda":
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        fn()
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3 / (iters * per_call)
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) * 1e6 / (iters * per_call)
+
+
+def rel_err(out, ref):
+    out, ref = out.float(), ref.float()
+    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------
+# offline compile (no GPU): ptxas register counts for every variant
+# ------------------------------------------------------------------------------------------
+
+def compile_only(args, variants):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    H, I = args.hidden, args.inter
+    G = args.sms
+    sig = dict(h_ptr="*bf16", act_ptr="*bf16", nw_ptr="*bf16", wgu_ptr="*bf16", wd_ptr="*bf16",
+               cnt_ptr="*i32", epoch_ptr="*i32", err_ptr="*i32", stamp_ptr="*i64",
+               n_layers="i32", layer0="i32", phase_layer="i32", G="i32", eps="fp32",
+               stall_op="i32", stall_ns="i64", timeout_ns="i64")
+    out = {}
+    for v in variants:
+        if v.mode == "baseline":
+            continue
+        Gv = G * v.ppsm
+        ch = args.pf_line // 2 if v.pf == 1 else args.pf_chunk // 2
+        tile_gu, tile_d = args.bn_gu * H, args.bn_d * I
+        ch_gu, ch_d = math.gcd(ch, tile_gu), math.gcd(ch, tile_d)
+        const = dict(H=H, I=I, HP=next_pow2(H), IP=next_pow2(I), BN_GU=args.bn_gu,
+                     BN_D=args.bn_d, LOOKAHEAD=v.lookahead, STAGES=v.stages, PF=v.pf,
+                     PF_DEPTH=v.pf_depth, MAXT_GU=next_pow2(cdiv(I // args.bn_gu, Gv)),
+                     MAXT_D=next_pow2(cdiv(H // args.bn_d, Gv)),
+                     NCH_GU=next_pow2(cdiv(tile_gu, ch_gu)), NCH_D=next_pow2(cdiv(tile_d, ch_d)),
+                     CH_GU=ch_gu, CH_D=ch_d, SPIN=v.spin, STALL=True)
+        phases = (0, 1) if v.mode == "phase" else (-1,)
+        for ph in phases:
+            c = dict(const, PHASE=ph, PDL=1 if v.mode == "phase" else 0)
+            s = dict(sig)
+            s.update({k: "constexpr" for k in c})
+            t0 = time.time()
+            key = f"{v.name}/PHASE={ph}"
+            try:
+                # pointers 16-byte aligned, as a real launch specialises them (vector loads)
+                attrs = {(i,): [["tt.divisibility", 16]]
+                         for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+                k = triton.compile(ASTSource(fn=_mlp_chain_kernel, signature=s, constexprs=c,
+                                             attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 64),
+                                   options=dict(num_warps=args.num_warps))
+                ptx = k.asm["ptx"]
+                info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
+                            prefetch=ptx.count("prefetch.global.L2"),
+                            bulk=ptx.count("cp.async.bulk.prefetch"),
+                            globaltimer=ptx.count("%globaltimer"),
+                            atom=ptx.count("atom.") + ptx.count("red.global"),
+                            acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
+                            shared=int(k.metadata.shared))
+                info.update(_ptxas_regs(ptx))
+            except Exception as e:
+                info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+            out[key] = info
+            print(key, json.dumps(info), flush=True)
+    print(json.dumps({"compile_only": out}))
+    return 0 if all(i.get("ok") for i in out.values()) else 1
+
+
+def _ptxas_regs(ptx):
+    """Registers / spills per thread from `ptxas -v` on the PTX (sm_90a), if ptxas is around."""
+    import re
+    import subprocess
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        try:
+            p = get_ptxas(90)
+        except TypeError:
+            p = get_ptxas()
+        ptxas = p.path if hasattr(p, "path") else p[0]
+    except Exception:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.ptx")
+        with open(f, "w") as fh:
+            fh.write(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    sp = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return dict(regs=int(m.group(1)) if m else None, spill_stores=int(sp.group(1)) if sp else None)
+
+
+# ------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=40, help="graph replays per timing round")
+    p.add_argument("--reps", type=int, default=12, help="chains per graph (per replay)")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
+    p.add_argument("--variant", default=DEFAULT_VARIANTS,
+                   help=f"comma list from: {', '.join(BY_NAME)}")
+    p.add_argument("--all", action="store_true", help="every variant")
+    p.add_argument("--phase", action="store_true",
+                   help="only the variants that run one launch per operator (+ baseline): "
+                        "what the interpreter can run")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--inter", type=int, default=3584)
+    p.add_argument("--sets", type=int, default=0,
+                   help="weight copies cycled through (0: enough for ~4x the L2 size)")
+    p.add_argument("--bn-gu", type=int, default=4, help="gate rows (and up rows) per task")
+    p.add_argument("--bn-d", type=int, default=2, help="down rows per task")
+    p.add_argument("--num-warps", type=int, default=8)
+    p.add_argument("--pf-line", type=int, default=128, help="bytes between prefetch.global.L2")
+    p.add_argument("--pf-chunk", type=int, default=2048, help="bytes per bulk L2 prefetch")
+    p.add_argument("--stall-ns", type=int, default=1000)
+    p.add_argument("--stall-op", type=int, default=-1,
+                   help="operator index that stalls (default: the middle gate_up)")
+    p.add_argument("--no-stall", action="store_true")
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--no-marginal", action="store_true",
+                   help="skip the half-chain timing (marginal time per layer)")
+    p.add_argument("--spin-timeout-ms", type=float, default=50.0)
+    p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
+    p.add_argument("--cpu-programs", type=int, default=3,
+                   help="grid under the interpreter (programs stride over the tiles)")
+    p.add_argument("--deadline-s", type=float, default=175.0,
+                   help="watchdog: past this, print what was measured (JSON, partial) and "
+                        "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
+    p.add_argument("--compile-only", action="store_true",
+                   help="offline sm_90 compile of the variants (no GPU), ptxas registers")
+    p.add_argument("--sms", type=int, default=132, help="SM count for --compile-only")
+    return p.parse_args(argv)
+
+
+def select(args):
+    names = list(BY_NAME) if args.all else [n.strip() for n in args.variant.split(",") if n.strip()]
+    bad = [n for n in names if n not in BY_NAME]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; choose from {list(BY_NAME)}")
+    vs = [BY_NAME[n] for n in names]
+    if args.phase:
+        vs = [v for v in vs if v.mode in ("baseline", "phase")]
+    if INTERPRET:
+        # no inline PTX (L2 prefetch) or PDL in the interpreter; persistent variants run as
+        # one program (see Runner); the variants that differ only there collapse into one
+        vs = [Variant(**dict(asdict(v), pf=0, pdl=0, ppsm=1, pf_depth=1,
+                             what=v.what + (" [interpreter: no PTX prefetch, 1 program]"
+                                            if v.mode == "persist" else
+                                            " [interpreter: no PTX prefetch, no PDL]")))
+              if v.mode != "baseline" else v for v in vs]
+        seen, uniq = set(), []
+        for v in vs:
+            key = (v.mode, v.lookahead, v.stages, v.spin)
+            if key not in seen:
+                seen.add(key)
+                uniq.append(v)
+        vs = uniq
+        if not any(v.mode == "phase" and v.lookahead == 0 for v in vs):
+            vs.append(Variant("phase_noahead", "phase", lookahead=0, pdl=0,
+                              what="phase mode, no look-ahead"))
+    return vs
+
+
+def measure_variant(v, chain, args, dev, ctx):
+    """Correctness, timing, marginal per-layer time and stall cost of one variant; fills and
+    returns its result dict (raises on failure; the caller records the error)."""
+    r = ctx["out"][v.name]
+    refs, tol, graph, n_sets = ctx["refs"], ctx["tol"], ctx["graph"], ctx["n_sets"]
+    runner = Runner(chain, v, args)
+    if v.mode != "baseline":
+        r["grid"] = runner.G
+    occ = runner.check_occupancy()
+    if occ:
+        r["occupancy"] = occ
+    # correctness: one chain on weight set 0 from h0, then twice more for bit-repeatability
+    # (the counters carry over between chains: epochs 1 and 2)
+    chain.reset()
+    runner.run(0)
+    _sync(dev)
+    if runner.errored():
+        raise RuntimeError("spin timeout (deadlock guard fired): grid not co-resident or a "
+                           "counter never reached its target")
+    r["err_vs_ref"] = rel_err(chain.h, refs[0])
+    if v.mode == "baseline":
+        ctx["base_out"] = chain.h.clone()
+    elif ctx.get("base_out") is not None:
+        r["err_vs_baseline"] = rel_err(chain.h, ctx["base_out"])
+    r["correct"] = r["err_vs_ref"] <= tol
+    h1 = chain.h.clone()
+    chain.reset()
+    runner.run(0)
+    _sync(dev)
+    r["repeatable"] = bool(torch.equal(chain.h, h1))
+    if dev.type == "cpu":
+        t = time.perf_counter()
+        runner.run(0)
+        r["us_per_chain"] = (time.perf_counter() - t) * 1e6
+        return r
+    fn, per, graphed = make_timed(runner, n_sets, args.reps, graph)
+    r["graphed"] = graphed
+    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
+    r["us_per_chain"] = statistics.median(ts)
+    r["us_min"] = min(ts)
+    if runner.errored():
+        raise RuntimeError("spin timeout during timing")
+    roof_us = ctx["roof_us"]
+    if roof_us:
+        r["gb_s"] = chain.weight_bytes / (r["us_per_chain"] * 1e3)
+        r["frac_roofline"] = roof_us / r["us_per_chain"]
+    # marginal cost of a layer: the same kernels on half the layers (own counters), so the
+    # per-chain fixed cost (launch, ramp-up, tail) drops out
+    half = chain.L // 2
+    if half >= 1 and not args.no_marginal:
+        hr = Runner(chain, v, args, n_layers=half)
+        hr.check_occupancy()
+        hfn, hper, _ = make_timed(hr, n_sets, args.reps, graph)
+        th = [time_us(hfn, hper, args.iters, dev) for _ in range(args.rounds)]
+        if hr.errored():
+            raise RuntimeError("spin timeout in the half-chain timing")
+        per_layer = (r["us_per_chain"] - statistics.median(th)) / (chain.L - half)
+        r["us_half_chain"] = statistics.median(th)
+        r["us_per_layer_marginal"] = per_layer
+        if roof_us and per_layer > 0:
+            r["frac_roofline_marginal"] = roof_us / chain.L / per_layer
+        r["fixed_us_per_chain"] = r["us_per_chain"] - chain.L * per_layer
+    # stall injection: the same compiled kernel with stall 0 and stall_ns, alternated
+    if v.mode != "baseline" and not args.no_stall and not INTERPRET:
+        fns = []
+        for ns in (0, args.stall_ns):
+            runner.stall_op, runner.stall_ns = ctx["stall_op"], ns
+            fns.append(make_timed(runner, n_sets, args.reps, graph))
+        runner.stall_op, runner.stall_ns = -1, 0
+        t0s, t1s = [], []
+        for _ in range(args.rounds):
+            t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
+            t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
+        r["stall_us_injected"] = int(runner.stamp[0].item()) / 1e3
+        r["stall_base_us"] = statistics.median(t0s)
+        r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
+        r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
+        if runner.errored():
+            raise RuntimeError("spin timeout during the stall runs")
+    return r
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    variants = select(args)
+    if args.compile_only:
+        return compile_only(args, variants)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; use --device cpu --phase under TRITON_INTERPRET=1")
+    if dev.type == "cpu" and not INTERPRET:
+        raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
+    dtype = getattr(torch, args.dtype)
+    t_start = time.time()
+    res = dict(device=str(dev), dtype=args.dtype, layers=args.layers, hidden=args.hidden,
+               inter=args.inter, triton=triton.__version__, torch=torch.__version__,
+               bn_gu=args.bn_gu, bn_d=args.bn_d, num_warps=args.num_warps)
+    l2 = 50 << 20
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        l2 = int(getattr(props, "L2_cache_size", l2) or l2)
+        res.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=l2)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    esz = torch.empty((), dtype=dtype).element_size()
+    chain_bytes = args.layers * (3 * args.hidden * args.inter + args.hidden) * esz
+    n_sets = args.sets or max(1, min(8, cdiv(4 * l2, chain_bytes)))
+    if dev.type == "cpu":
+        n_sets = args.sets or 1
+    print(f"# building {args.layers} layers x {n_sets} weight sets, H={args.hidden} "
+          f"I={args.inter} {args.dtype} on {dev}", flush=True)
+    chain = Chain(args.hidden, args.inter, args.layers, n_sets, dtype, dev)
+    res.update(weight_sets=n_sets, chain_weight_bytes=chain.weight_bytes)
+    out = {}
+    res["variants"] = out
+    watchdog = None
+    if args.deadline_s > 0:
+        watchdog = _start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
+    try:
+        return _run_variants(args, variants, dev, chain, res, out, n_sets, t_start)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
+    # HBM read rate, measured in this run
+    bw = None
+    if dev.type == "cuda":
+        try:
+            from tritonchat.kernels.bandwidth import read_rates_gb_s
+            rates = read_rates_gb_s(int(args.bw_bytes), dev)
+            bw = max(rates.values())
+            res["hbm_read_gb_s"] = {k: round(v, 1) for k, v in rates.items()}
+        except Exception as e:
+            print(f"# bandwidth measurement failed: {e}", flush=True)
+    roof_us = chain.weight_bytes / (bw * 1e3) if bw else None
+    res["hbm_gb_s"] = round(bw, 1) if bw else None
+    res["roofline_us"] = round(roof_us, 3) if roof_us else None
+    if bw:
+        print(f"# HBM read {bw:.0f} GB/s; {chain.weight_bytes / 1e6:.2f} MB of weights a chain; "
+              f"roofline {roof_us:.2f} us a chain", flush=True)
+
+    stall_op = args.stall_op if args.stall_op >= 0 else 2 * (args.layers // 2)
+    res["stall_op"] = stall_op
+    ctx = dict(out=out, refs=[chain.reference(0)], stall_op=stall_op, n_sets=n_sets,
+               tol=dict(bfloat16=2e-2, float16=5e-3, float32=1e-4)[args.dtype],
+               graph=not args.no_graph and dev.type == "cuda", roof_us=roof_us)
+    for v in variants:
+        r = dict(what=v.what, mode=v.mode)
+        out[v.name] = r
+        t_v = time.time()
+        try:
+            measure_variant(v, chain, args, dev, ctx)
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {e}"[:1500]
+            r["traceback"] = traceback.format_exc()[-1500:]
+            print(f"# {v.name} FAILED: {r['error']}", flush=True)
+            if dev.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e2:       # a dead context: later variants cannot run
+                    print(f"# CUDA context lost ({e2}); stopping", flush=True)
+                    r["seconds"] = round(time.time() - t_v, 1)
+                    break
+        r["seconds"] = round(time.time() - t_v, 1)
+        print("# " + _row(v.name, r), flush=True)
+
+    # report
+    print()
+    print(f"{'variant':<20} {'us/chain':>9} {'GB/s':>7} {'%roof':>6} {'%marg':>6} "
+          f"{'stall+us':>8} {'err_ref':>8} {'ok':>3}  what")
+    for name, r in out.items():
+        print(_row(name, r))
+    if roof_us:
+        print(f"roofline {roof_us:.2f} us/chain = {chain.weight_bytes / 1e6:.2f} MB at "
+              f"{bw:.0f} GB/s; %marg = roofline of one layer / marginal time of one layer "
+              f"({args.layers} vs {args.layers // 2} layers); stall: {args.stall_ns} ns in one "
+              f"task of operator {stall_op}")
+    best = None
+    for name, r in out.items():
+        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
+            if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
+                best = name
+    verdict = None
+    if best:
+        b = out[best]
+        verdict = dict(best_persistent=best, frac_roofline=b["frac_roofline"],
+                       frac_roofline_marginal=b.get("frac_roofline_marginal"),
+                       stall_cost_us=b.get("stall_cost_us"),
+                       pass_roofline=b["frac_roofline"] >= 0.80,
+                       pass_stall=(b.get("stall_cost_us") is not None
+                                   and b["stall_cost_us"] < 0.2))
+        base = out.get("baseline", {})
+        if base.get("us_per_chain"):
+            verdict["speedup_vs_baseline"] = base["us_per_chain"] / b["us_per_chain"]
+        print(f"best persistent: {best} at {100 * b['frac_roofline']:.1f}% of the roofline "
+              f"(target 80%), stall cost {b.get('stall_cost_us')} us (target < 0.2)")
+    res.update(variants=out, verdict=verdict, seconds=round(time.time() - t_start, 1))
+    print(json.dumps(_round(res)))
+    return 0
+
+
+def _start_watchdog(res, seconds, t_start):
+    """A daemon thread that prints the results so far as the final JSON line (partial: true)
+    and ends the process if the run outlasts `seconds` (a kernel that never returns would
+    otherwise hang it: a CUDA launch cannot be interrupted from Python)."""
+    import threading
+
+    def fire():
+        try:
+            res["partial"] = True
+            res["seconds"] = round(time.time() - t_start, 1)
+            busy = [n for n, r in res.get("variants", {}).items() if "seconds" not in r]
+            res["hung_in"] = busy[-1] if busy else None
+            print(f"# watchdog: deadline reached while running {res['hung_in']}", flush=True)
+            print(json.dumps(_round(res), default=str), flush=True)
+        finally:
+            os._exit(3)
+    t = threading.Timer(max(1.0, seconds), fire)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def _row(name, r):
+    def f(k, fmt):
+        v = r.get(k)
+        return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "-"
+    ok = "ERR" if "error" in r else ("yes" if r.get("correct") else "no")
+
+    def pct(k):
+        v = r.get(k)
+        return format(100 * v, "6.1f") if isinstance(v, float) else "     -"
+    return (f"{name:<20} {f('us_per_chain', '9.2f')} {f('gb_s', '7.0f')} "
+            f"{pct('frac_roofline')} {pct('frac_roofline_marginal')} {f('stall_cost_us', '8.3f')} "
+            f"{f('err_vs_ref', '8.1e')} {ok:>3}  {r.get('error') or r.get('what', '')}")
+
+
+def _round(o):
+    if isinstance(o, float):
+        return round(o, 5)
+    if isinstance(o, dict):
+        return {k: _round(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_round(v) for v in o]
+    return o
+
+
+if __name__ == "__main__":
+    sys.exit(main())
