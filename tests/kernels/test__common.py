@@ -134,7 +134,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_fused_kernels_compile_for_sm90_with_pdl():
+def test_pdl_kernels_compile_for_sm90():
     """Offline PTX + cubin for sm_90 (no GPU needed), the PDL instructions present."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

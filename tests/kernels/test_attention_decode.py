@@ -210,7 +210,8 @@ def test_attention_merge_in_the_o_proj_validates():
 
 
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
-@pytest.mark.parametrize("merge_splits", [1, 2, 4, 8])
+@pytest.mark.parametrize("merge_splits", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                          pytest.param(4, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("pos", [16 * 7 - 1, 16 * 7, 16 * 7 + 1])
 def test_attention_merge_over_groups_of_splits(pos, merge_splits, one_level):
     # 8 splits of 16 positions: 7 or 8 of them hold positions, merged 1, 2, 4 or 8 at a time
@@ -225,6 +226,7 @@ def test_attention_merge_over_groups_of_splits(pos, merge_splits, one_level):
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
+@pytest.mark.slow
 def test_attention_merge_of_more_groups_than_one_chunk():
     # 40 splits of 16 positions in groups of 2 (past the default one-level 4 x 2): 20 group
     # partials, merged 16 then 4 (the group level's own chunk loop)

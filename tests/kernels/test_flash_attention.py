@@ -172,6 +172,7 @@ def test_attention_stacked_head_tiles(dims, cfg, T, start_pos):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_reference_matches_transformers():
     """The reference against HF's own Qwen3_5Attention (eager, fp32), positions 0..T-1."""
     mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

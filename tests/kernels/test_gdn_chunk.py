@@ -81,7 +81,7 @@ def test_gdn_decay_extremes(T, decay):
     _check(_inputs(T, SMALL, torch.float32, seed=7, decay=decay), SMALL, torch.float32)
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 32])
 def test_gdn_smaller_chunks(chunk):
     inputs = _inputs(70, SMALL, torch.float32, seed=3)
     out, st = _check(inputs, SMALL, torch.float32, chunk=chunk)

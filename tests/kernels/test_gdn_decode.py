@@ -46,7 +46,7 @@ def _core_params(cfg, dtype, g):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_v", [None, 8, 16])
 @pytest.mark.parametrize("cfg", CORE_CONFIGS, ids=lambda c: "hk{}hv{}dk{}dv{}".format(*c))
-def test_gdn_decode_core_steps(cfg, block_v, dtype):
+def test_gdn_decode_steps(cfg, block_v, dtype):
     hk, hv, dk, dv = cfg
     g = torch.Generator().manual_seed(hk * 100 + dv)
     A_log, dt_bias, state, kw = _core_params(cfg, dtype, g)
@@ -72,7 +72,7 @@ def _z_case(hv, dv, K, dtype, g):
 @pytest.mark.parametrize("K,z_block_n,z_first", [(40, None, True), (64, 4, False),
                                                   (24, 16, True), (24, 16, False)])
 @pytest.mark.parametrize("cfg", CORE_CONFIGS[:3], ids=lambda c: "hk{}hv{}dk{}dv{}".format(*c))
-def test_gdn_decode_core_with_z_programs(cfg, K, z_block_n, z_first, dtype):
+def test_gdn_decode_with_z_programs(cfg, K, z_block_n, z_first, dtype):
     """The engine's launch: z = in_proj_z @ rmsnorm(x) in programs of the core's grid, proj
     without z. The recurrence is bit-equal to the launch without z programs on the old layout,
     and z matches the norm + GEMV reference (rows not a multiple of the block, K not a power of
@@ -96,7 +96,7 @@ def test_gdn_decode_core_with_z_programs(cfg, K, z_block_n, z_first, dtype):
         torch.testing.assert_close(z["z_out"], want_z, **tol(dtype))
 
 
-def test_gdn_decode_core_validates():
+def test_gdn_decode_validates():
     hk, hv, dk, dv = 2, 4, 8, 8
     proj = torch.zeros(2 * hk * dk + 2 * hv * dv + 2 * hv, device=DEVICE)
     state = torch.zeros(hv, dk, dv, device=DEVICE)

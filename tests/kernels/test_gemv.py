@@ -54,7 +54,7 @@ def test_gemv_rms_norm_prologue_epilogues(epilogue, split_k, dtype):
     (24, 96, 8, 16, 8),        # split_k > K blocks / 2: splits of one tile
     (6, 1100, 4, 256, 2),      # K past the one-block norm (1024): the looped norm, split
 ])
-def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
+def test_gemv_shapes(n_rows, K, block_n, block_k, split_k):
     g = torch.Generator().manual_seed(n_rows + K)
     h = vec(K, g)
     norm_w = vec(K, g, 0.2)
@@ -77,7 +77,7 @@ def test_gemv_fused_shapes(n_rows, K, block_n, block_k, split_k):
     (33, 48, 32),      # one partial block
 ])
 @pytest.mark.parametrize("epilogue", ["plain", "residual_inplace", "silu_mul", "conv"])
-def test_gemv_fused_persistent_form(epilogue, n_rows, K, block_n, dtype):
+def test_gemv_persistent_form(epilogue, n_rows, K, block_n, dtype):
     """The persistent direct form (programs striding over row blocks, one tile of look-ahead)
     equals the reference for every epilogue, with and without the RMSNorm prologue."""
     if epilogue == "silu_mul" and n_rows % 2:
@@ -99,7 +99,7 @@ def test_gemv_fused_persistent_form(epilogue, n_rows, K, block_n, dtype):
             torch.testing.assert_close(conv_state, want_state, **tol(dtype))
 
 
-def test_gemv_fused_persistent_form_refuses_what_it_cannot_do():
+def test_gemv_persistent_form_refuses_what_it_cannot_do():
     g = torch.Generator().manual_seed(3)
     x, W = vec(64, g), vec(16 * 64, g).view(16, 64)
     out = torch.empty(16, device=DEVICE)
@@ -135,7 +135,7 @@ def test_gemv_gated_norm_residual_persistent_form(heads, dv, n_out, block_n, dty
     torch.testing.assert_close(h, want, **tol(dtype))
 
 
-def test_gemv_fused_split_k_reproducible_and_replayable():
+def test_gemv_split_k_reproducible_and_replayable():
     # the same launch twice (as a graph replay would) gives bit-identical results, and a split
     # count that differs only in summation order stays within fp32 noise
     g = torch.Generator().manual_seed(3)
@@ -186,7 +186,7 @@ def test_gemv_gated_norm_residual(heads, dv, block_k, split_k, dtype):
 # ------------------------------------------------------------------------------------------
 
 
-def test_gemv_fused_validates():
+def test_gemv_validates():
     x = torch.zeros(32, device=DEVICE)
     W = torch.zeros(16, 32, device=DEVICE)
     out = torch.zeros(16, device=DEVICE)
@@ -352,7 +352,7 @@ def test_a_persistent_gated_plan_gives_way_to_an_explicit_split(own_table):
                                              (1024, 2048, "gated", "residual"),
                                              (1024, 3584, "none", "residual"),
                                              (37, 200, "rms", "plain")])
-def test_fused_heuristic_plans_are_valid(n_out, k, pro, epi):
+def test_heuristic_plans_are_valid(n_out, k, pro, epi):
     p = gemv_mod.heuristic_plan(n_out, k, pro, 128 if pro == "gated" else 0,
                                       epi == "silu_mul")
     assert p["block_k"] & (p["block_k"] - 1) == 0 and p["block_k"] >= 16
