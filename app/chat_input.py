@@ -141,6 +141,8 @@ class ChatInput(QWidget):
         self.stop_button.clicked.connect(self.stopRequested)
         self.generating = False
         self.ready = True
+        self.context_used, self.context_total, self.context_exact = 0, 1, True
+        self.over_context = False
         self._update_buttons()
         self.box.textChanged.connect(self._update_buttons)
 
@@ -157,6 +159,17 @@ class ChatInput(QWidget):
         self.box.setPlainText(text)
         cursor = self.box.textCursor()
         cursor.movePosition(cursor.MoveOperation.End)
+        self.box.setTextCursor(cursor)
+
+    def insert_text(self, text: str) -> None:
+        """Add text without losing what is typed: into an empty box as is, else after the
+        draft on a new paragraph, as one edit (Ctrl+Z takes it back out)."""
+        cursor = self.box.textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        current = self.box.toPlainText()
+        if current.strip():
+            text = ("" if current.endswith("\n\n") else "\n" if current.endswith("\n") else "\n\n") + text
+        cursor.insertText(text)
         self.box.setTextCursor(cursor)
 
     def clear(self) -> None:
@@ -185,13 +198,25 @@ class ChatInput(QWidget):
     def _update_buttons(self) -> None:
         self.send_button.setEnabled(self.ready and bool(self.box.toPlainText().strip()))
 
-    def set_context(self, used: int, total: int) -> None:
+    def set_context(self, used: int, total: int, exact: bool = True) -> None:
+        """The conversation and the draft, in tokens; `exact` False: an estimate (shown "~")
+        until the tokenizer has counted."""
         total = max(1, int(total))
         used = max(0, int(used))
         self.meter.setRange(0, total)
         self.meter.setValue(min(used, total))
         share = used / total
-        self.meter_label.setText(f"{used:,} / {total:,} tokens")
-        warn = "  (almost full: start a new chat or raise the context length)" if share > 0.9 else ""
-        self.meter.setToolTip(f"Context used: {used:,} of {total:,} tokens ({share:.0%}){warn}")
+        self.context_used, self.context_total, self.context_exact = used, total, exact
+        self.over_context = used >= total
+        self.meter_label.setText(f"{'' if exact else '~'}{used:,} / {total:,} tokens")
+        self.meter_label.setProperty("warning", self.over_context)
+        self.meter_label.setStyleSheet("color: #c0392b; font-weight: 600;" if self.over_context else "")
+        if self.over_context:
+            warn = "  (too long to send: shorten the message, start a new chat or raise the context length)"
+        elif share > 0.9:
+            warn = "  (almost full: start a new chat or raise the context length)"
+        else:
+            warn = ""
+        self.meter.setToolTip(f"Context used, with the message being typed: {used:,} of {total:,} "
+                              f"tokens ({share:.0%}){'' if exact else ', estimated'}{warn}")
         self.meter_label.setToolTip(self.meter.toolTip())

@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QPlainT
                                QVBoxLayout, QWidget)
 
 from .markdown import COPY_SCHEME, RenderStyle, render_markdown, render_plain
+from .stats_text import stats_line as format_stats  # noqa: F401  (one formatter for every place)
+from .stats_text import stats_tooltip
 
 RENDER_INTERVAL_MS = 50          # the streaming message re-renders at most this often
 # A re-render parses the whole answer again (~2 ms per 1,000 words), holding the GIL the engine
@@ -28,71 +30,6 @@ RENDER_COST_FACTOR = 8
 RENDER_MAX_INTERVAL_MS = 1000
 STICKY_PX = 24                   # "at the bottom" tolerance for auto-scroll
 
-_STOP_REASONS = {"eos": "finished", "max_tokens": "max tokens", "context_full": "context full",
-                 "stopped": "stopped", "error": "error"}
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def format_stats(stats: dict | None) -> str:
-    """The line under an answer: speeds, tokens, why it stopped and the engine flags."""
-    if not stats:
-        return ""
-    s = dict(stats)
-    parts = []
-    if s.get("ttft_ms"):
-        parts.append(f"TTFT {float(s['ttft_ms']):,.0f} ms")
-    if s.get("prefill_tok_s"):
-        parts.append(f"prefill {float(s['prefill_tok_s']):,.0f} tok/s")
-    if s.get("decode_tok_s"):
-        parts.append(f"decode {float(s['decode_tok_s']):,.1f} tok/s")
-    if s.get("new_tokens") is not None:
-        n = int(s["new_tokens"])
-        parts.append(f"{n:,} token" + ("" if n == 1 else "s"))
-    if s.get("stop_reason"):
-        parts.append(_STOP_REASONS.get(s["stop_reason"], str(s["stop_reason"])))
-    flags = []
-    if s.get("backend"):
-        flags.append(str(s["backend"]))
-    if s.get("dtype"):
-        flags.append(_DTYPES.get(s["dtype"], str(s["dtype"])))
-    if s.get("backend") == "triton":
-        for key, name in (("split_k", "split-K"), ("graph", "graph"), ("l2_state", "L2 states"),
-                          ("context_ranges", "context ranges")):
-            if key in s:
-                flags.append(f"{name} {'on' if s[key] else 'off'}")
-        if "launch_cache" in s and s.get("graph") is False:        # it acts only without the graph
-            flags.append(f"launch cache {'on' if s['launch_cache'] else 'off'}")
-    if flags:
-        parts.append(" ".join(flags))
-    return "  \u00b7  ".join(parts)
-
-
-def stats_tooltip(stats: dict | None) -> str:
-    if not stats:
-        return ""
-    rows = [("Prompt tokens", "prompt_tokens", "{:,}"), ("Reused from cache", "cached_tokens", "{:,}"),
-            ("New tokens", "new_tokens", "{:,}"), ("Time to first token", "ttft_ms", "{:,.1f} ms"),
-            ("Prefill", "prefill_tok_s", "{:,.1f} tok/s"), ("Decode", "decode_tok_s", "{:,.2f} tok/s"),
-            ("Per token", "decode_ms_per_token", "{:,.2f} ms"), ("Total", "total_ms", "{:,.0f} ms"),
-            ("Thinking", "thinking_seconds", "{:,.1f} s"), ("Stop reason", "stop_reason", "{}"),
-            ("Backend", "backend", "{}"), ("Device", "device", "{}"), ("Dtype", "dtype", "{}"),
-            ("Split-K", "split_k", "{}"), ("CUDA Graph", "graph", "{}"),
-            ("GDN states in L2", "l2_state", "{}"), ("Context-range plans", "context_ranges", "{}"),
-            ("Launch cache (graph off)", "launch_cache", "{}"),
-            ("Context", "max_context", "{:,} tokens")]
-    # the switches act on the Triton backend only (the reference one reports its options unused)
-    switches = ({"split_k", "graph", "l2_state", "context_ranges", "launch_cache"}
-                if stats.get("backend") not in (None, "triton") else set())
-    lines = []
-    for label, key, fmt in rows:
-        if key in switches:
-            continue
-        if stats.get(key) is not None and stats.get(key) != "":
-            try:
-                lines.append(f"{label}: {fmt.format(stats[key])}")
-            except (ValueError, TypeError):
-                lines.append(f"{label}: {stats[key]}")
-    return "\n".join(lines)
 
 
 class RichText(QTextBrowser):
@@ -271,6 +208,7 @@ class MessageWidget(QFrame):
     copyText = Signal(str)
     editSubmitted = Signal(int, str)           # message id, new text
     regenerateRequested = Signal(int)          # assistant message id
+    variantRequested = Signal(int, int)        # message id, step (-1: the previous, +1: the next)
 
     def __init__(self, msg_id: int, role: str, style: RenderStyle, parent: QWidget | None = None):
         super().__init__(parent)
@@ -333,25 +271,50 @@ class MessageWidget(QFrame):
         self.edit_button.clicked.connect(self.begin_edit)
         self.regenerate_button = _action("Regenerate", "Answer this again", self.actions)
         self.regenerate_button.clicked.connect(lambda: self.regenerateRequested.emit(self.msg_id))
+        # "‹ 1/2 ›": the other answers to the same prompt (regenerate) or the other prompts
+        # in the same place (edit); hidden while there is only one
+        self.variant = (1, 1)
+        self.prev_button = _action("\u2039", "Show the previous version", self.actions)
+        self.prev_button.clicked.connect(lambda: self.variantRequested.emit(self.msg_id, -1))
+        self.variant_label = QLabel("1/1", self.actions)
+        self.variant_label.setObjectName("MutedLabel")
+        self.next_button = _action("\u203a", "Show the next version", self.actions)
+        self.next_button.clicked.connect(lambda: self.variantRequested.emit(self.msg_id, +1))
         self.stats_label = QLabel(self.actions)
         self.stats_label.setObjectName("StatsLabel")
         self.stats_label.setWordWrap(True)       # wraps in a narrow window instead of widening it
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        nav = (self.prev_button, self.variant_label, self.next_button)
         if role == "user":
             al.addStretch(1)
+            for b in nav:
+                al.addWidget(b)
             al.addWidget(self.edit_button)
             al.addWidget(self.copy_button)
             self.regenerate_button.hide()
             self.stats_label.hide()
         else:
+            for b in nav:
+                al.addWidget(b)
             al.addWidget(self.copy_button)
             al.addWidget(self.regenerate_button)
             al.addStretch(1)
             self.edit_button.hide()
             av.addWidget(self.stats_label)
         outer.addWidget(self.actions)
+        self.set_variant(1, 1)
 
     # ---------------------------------------------------------------- content
+    def set_variant(self, index: int, count: int, enabled: bool = True) -> None:
+        """Which version this is (1-based) of how many; the arrows step through them."""
+        self.variant = (int(index), int(count))
+        many = count > 1
+        for b in (self.prev_button, self.variant_label, self.next_button):
+            b.setVisible(many)
+        self.variant_label.setText(f"{index}/{count}")
+        self.prev_button.setEnabled(enabled and index > 1)
+        self.next_button.setEnabled(enabled and index < count)
+
     def set_message(self, content: str, thinking: str = "", stats: dict | None = None,
                     thinking_seconds: float | None = None) -> None:
         """A finished message: render once."""
@@ -425,6 +388,9 @@ class MessageWidget(QFrame):
             text += " \u258d"                 # a caret while tokens arrive
         elif not text.strip():
             text = "*(no answer)*" if self.thinking.strip() else "*(empty answer)*"
+        if not self.streaming and (self.stats or {}).get("stop_reason") == "interrupted":
+            # cut off by a crash or a kill: say so where the answer ends
+            text += "\n\n*(interrupted: the app closed before this answer ended)*"
         r = render_markdown(text, self._style)
         self.code_blocks = r.code_blocks
         self.body.set_html(r.html)
@@ -588,6 +554,7 @@ class ChatView(QWidget):
 
     editSubmitted = Signal(int, str)
     regenerateRequested = Signal(int)
+    variantRequested = Signal(int, int)       # message id, step
     suggestionChosen = Signal(str)
     copied = Signal(str)
 
@@ -669,20 +636,24 @@ class ChatView(QWidget):
                 continue
             w = self._add(m.id, m.role)
             w.set_message(m.content, m.thinking, m.stats)
+            w.set_variant(getattr(m, "variant", 1), getattr(m, "variants", 1))
         self._refresh_actions()
         self.scroll_to_bottom()
 
     def add_message(self, msg_id: int, role: str, content: str, thinking: str = "",
-                    stats: dict | None = None) -> MessageWidget:
+                    stats: dict | None = None, variant: tuple[int, int] = (1, 1)) -> MessageWidget:
         w = self._add(msg_id, role)
         w.set_message(content, thinking, stats)
+        w.set_variant(*variant)
         self._refresh_actions()
         self.scroll_to_bottom()
         return w
 
-    def begin_stream(self, msg_id: int, thinking_enabled: bool) -> MessageWidget:
+    def begin_stream(self, msg_id: int, thinking_enabled: bool,
+                     variant: tuple[int, int] = (1, 1)) -> MessageWidget:
         w = self._add(msg_id, "assistant")
         w.begin_stream(thinking_enabled)
+        w.set_variant(*variant)
         self.streaming = w
         self._timer.setInterval(RENDER_INTERVAL_MS)
         self._timer.start()
@@ -772,6 +743,7 @@ class ChatView(QWidget):
         w.copyText.connect(self._copy)
         w.editSubmitted.connect(self.editSubmitted)
         w.regenerateRequested.connect(self.regenerateRequested)
+        w.variantRequested.connect(self.variantRequested)
         self.column_layout.insertWidget(self.column_layout.count() - 1, w)
         w.show()          # at once: the layout would only show it from the event loop
         self.messages.append(w)
@@ -783,6 +755,7 @@ class ChatView(QWidget):
         for w in self.messages:
             w.set_actions(can_edit=not self._busy,
                           can_regenerate=(w is last_assistant and not self._busy and not w.streaming))
+            w.set_variant(*w.variant, enabled=not self._busy)   # no switching under a stream
 
     def _copy(self, text: str) -> None:
         QGuiApplication.clipboard().setText(text)

@@ -68,6 +68,9 @@ _NETWORK_WORDS = re.compile(r"\bno network\b|connection (stalled|dropped)|"
                             r"could not be reached|cannot be reached", re.I)
 
 
+_VERIFY_WORDS = re.compile(r"sha256 check|checksum|damaged|corrupt|instead of", re.I)
+
+
 def is_network_error(exc: BaseException) -> bool:
     """True when ``exc`` or what it was raised from says the hub could not be reached."""
     seen: set[int] = set()
@@ -118,10 +121,10 @@ class DownloadDialog(QDialog):
     the model folder), Rejected on Cancel or when the user gives up after a failure.
     """
 
-    def __init__(self, repo_id: str, revision: str = "main", cache_dir=None, parent=None):
+    def __init__(self, repo_id: str, revision: str | None = None, cache_dir=None, parent=None):
         super().__init__(parent)
         self.repo_id = repo_id
-        self.revision = revision
+        self.revision = revision or getattr(_hub(), "DEFAULT_REVISION", "main")
         self.cache_dir = cache_dir
         self.result_dir: Path | None = None
         self.plan = None                  # hub.DownloadPlan once planning succeeded
@@ -245,6 +248,14 @@ class DownloadDialog(QDialog):
             self.info_label.setText(
                 f"{format_bytes(plan.total_bytes)} to download in {len(plan.files)} files.")
             self.download_button.setText("Download")
+        damaged = self._damaged(plan)
+        if damaged:
+            first = damaged[0]
+            more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+            self.info_label.setText(
+                f"{first.name}{more} on disk failed verification ({first.detail}); "
+                f"Download again replaces {'them' if more else 'it'} with a fresh copy.")
+            self.download_button.setText("Download again")
         self.dest_label.setText(f"Destination: {plan.dest}")
         self.rate_label.clear()
         self._set_buttons(download=True)
@@ -258,6 +269,16 @@ class DownloadDialog(QDialog):
         else:
             self.download_button.setEnabled(True)
             self._show_notice("")
+
+    def _damaged(self, plan) -> list:
+        """Files of the planned snapshot whose download record says they are damaged."""
+        check = getattr(_hub(), "damaged_files", None)
+        if check is None or not Path(plan.dest).is_dir():
+            return []
+        try:
+            return list(check(plan.dest))
+        except Exception:                             # noqa: BLE001 - a check that fails is no verdict
+            return []
 
     def _plan_failed(self, exc: BaseException) -> None:
         self.state = "failed"
@@ -360,7 +381,12 @@ class DownloadDialog(QDialog):
         self._stop_process()
         self.state = "error"
         text = message or "The download stopped unexpectedly."
-        self._show_notice(f"{text} Press Try again to resume where it stopped.", "error")
+        if _VERIFY_WORDS.search(text):               # a file failed its check: fetch it whole again
+            self.retry_button.setText("Download again")
+            self._show_notice(f"{text} Press Download again to replace it.", "error")
+        else:
+            self.retry_button.setText("Try again")
+            self._show_notice(f"{text} Press Try again to resume where it stopped.", "error")
         self._set_buttons(retry=True, cancel_text="Close")
 
     def _stop_process(self) -> None:

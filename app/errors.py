@@ -1,12 +1,16 @@
 """Errors as users see them: one plain sentence they can act on, plus a details expander.
 
 describe_exception() turns any exception into (sentence, details); show_error() shows them in a
-modal box; ErrorBanner is the non-modal bar for problems the user can keep working around.
+modal box whose "Show Details..." says what failed and what to do, while the traceback goes to
+a rotating log file (platformdirs' user log dir) that the box names; ErrorBanner is the
+non-modal bar for problems the user can keep working around.
 torch is never imported here: exceptions are recognised by type name and message, so this
 module works before (and without) the engine being loaded.
 """
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import re
 import subprocess
@@ -124,6 +128,92 @@ def describe_exception(exc: BaseException) -> tuple[str, str]:
     return sentence, details
 
 
+LOG_FILE = "tritonchat.log"
+LOG_BYTES = 1 << 20            # per file; LOG_BACKUPS older files are kept beside it
+LOG_BACKUPS = 3
+TRACEBACK_START = "Traceback (most recent call last):"
+_log_handler: logging.Handler | None = None
+
+
+def log_dir() -> Path:
+    """Where the log goes: TRITONCHAT_LOG_DIR, else platformdirs' user log dir."""
+    if os.environ.get("TRITONCHAT_LOG_DIR"):
+        return Path(os.environ["TRITONCHAT_LOG_DIR"]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_log_dir("tritonchat", appauthor=False))
+
+
+def log_path() -> Path:
+    return log_dir() / LOG_FILE
+
+
+def app_logger() -> logging.Logger:
+    """The "tritonchat" logger, writing to the rotating log file (set up on first use)."""
+    global _log_handler
+    logger = logging.getLogger("tritonchat")
+    path = log_path()
+    if _log_handler is None or getattr(_log_handler, "baseFilename", "") != str(path.resolve()):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES,
+                                                           backupCount=LOG_BACKUPS, encoding="utf-8")
+        except OSError:
+            return logger
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        if _log_handler is not None:
+            logger.removeHandler(_log_handler)
+            _log_handler.close()
+        _log_handler = handler
+        logger.addHandler(handler)
+        if logger.level == logging.NOTSET or logger.level > logging.INFO:
+            logger.setLevel(logging.INFO)
+    return logger
+
+
+def log_error(sentence: str, details: str) -> Path | None:
+    """Write the sentence and its details (traceback included) to the log; its path, or None."""
+    logger = app_logger()
+    if _log_handler is None:
+        return None
+    logger.error("%s\n%s", sentence, details.rstrip())
+    _log_handler.flush()
+    return Path(_log_handler.baseFilename)
+
+
+def split_details(details: str) -> tuple[str, str]:
+    """(the part a person reads, the traceback) of a details text."""
+    i = details.find(TRACEBACK_START)
+    if i < 0:
+        return details.strip(), ""
+    return details[:i].strip(), details[i:].strip()
+
+
+def what_to_do(sentence: str) -> str:
+    """The action in a sentence like "X failed: do Y.", else a general one."""
+    head, sep, action = sentence.partition(": ")
+    if sep and action and re.match(r"(?i)(install|download|choose|start|close|check|use|run|set|"
+                                   r"free|open|pick|try|raise|lower|update|delete|move)", action):
+        return action[:1].upper() + action[1:]
+    return ("Try again; if it keeps failing, start tritonchat from a terminal and send the log "
+            "file below with a bug report.")
+
+
+def details_text(sentence: str, details: str, log: Path | None) -> str:
+    """What "Show Details..." holds: what failed, what to do, the error's own details, and where
+    the traceback went (the traceback itself only when there is no log file)."""
+    own, tb = split_details(details)
+    failed = next((ln.strip() for ln in reversed(tb.splitlines()) if ln.strip()), "") if tb else ""
+    parts = [f"What failed: {failed or sentence}", f"What to do: {what_to_do(sentence)}"]
+    if own:
+        parts.append(own)
+    if tb:
+        parts.append(f"The full traceback is in the log file {log}." if log else tb)
+    elif log:
+        parts.append(f"Log file: {log}")
+    return "\n\n".join(parts)
+
+
 def build_error_box(parent: QWidget | None, sentence: str, details: str = "",
                     title: str = "tritonchat") -> QMessageBox:
     """The box show_error() runs; separate so it can be inspected without a modal loop."""
@@ -133,7 +223,10 @@ def build_error_box(parent: QWidget | None, sentence: str, details: str = "",
     box.setTextFormat(Qt.TextFormat.PlainText)     # messages quote paths and code, not HTML
     box.setText(sentence)
     if details:
-        box.setDetailedText(details)               # Qt's "Show Details..." expander
+        log = log_error(sentence, details)
+        box.setDetailedText(details_text(sentence, details, log))   # Qt's "Show Details..."
+        if log is not None and TRACEBACK_START in details:
+            box.setInformativeText(f"Details are in {log}.")
     box.setStandardButtons(QMessageBox.StandardButton.Ok)
     box.setWindowModality(Qt.WindowModality.ApplicationModal)
     return box

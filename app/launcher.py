@@ -28,7 +28,7 @@ def cmd_app(args) -> int:
         from .main import main as app_main
     except ImportError as e:
         raise TritonChatError(f"The desktop app cannot start: {e}. Install PySide6 (pip install PySide6).") from e
-    argv = ["--model", args.app_model] if args.app_model else []
+    argv = (["--model", args.app_model] if args.app_model else []) + (["--demo"] if args.demo else [])
     return app_main(argv)
 
 

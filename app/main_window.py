@@ -1,8 +1,9 @@
-"""The main window and its controller logic: conversations, sending, streaming, settings.
+"""The main window: lays out the views and wires them to the conversation controller.
 
-Threads: the GUI thread owns the widgets and the ChatStore; the engine thread (worker.py) owns
-the ChatSession. Each answer is written to the store while it streams (at most SAVE_INTERVAL_S
-of text can be lost on a crash), and a send that fails puts the user's text back in the box.
+Send / edit / regenerate / stop, variants and drafts live in the Qt-free
+`conversation.ConversationController`; this window forwards the views' signals to it and shows
+what it reports (`_ChatWiring`). Threads: the GUI thread owns the widgets and the ChatStore; the
+engine thread (worker.py) owns the ChatSession.
 """
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Pyth
 
 import json
 import re
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QSplitter, QToolButton,
@@ -26,44 +25,27 @@ from tritonchat.engine.options import SamplingParams
 from . import theme
 from .chat_input import ChatInput, ElidedLabel
 from .chat_view import ChatView
+from .conversation import (SAVE_INTERVAL_S, ConversationController, ConversationListener,  # noqa: F401
+                           Generation, title_from)
 from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
-from .settings import ChatSettings, load_settings, save_settings
+from .settings import ChatSettings, load_settings, remember_model, save_settings
 from .settings_dialog import SettingsDialog
-from .store import ChatStore
+from .stats_text import engine_label
+from .store import ChatStore, Message
 from .timing_panel import TimingPanel
 from .worker import EngineClient, GenerateRequest, SessionLoader
 
-SAVE_INTERVAL_S = 0.5            # the streaming answer reaches the store at least this often
-TITLE_CHARS = 48
+MIN_CHAT_WIDTH = 320             # what a user-dragged timing panel leaves the chat at least
+CHAT_SHARE = 0.62               # the chat keeps at least this share of the width beside the timing panel
 NEW_CHAT_TITLE = "New chat"
+DRAFT_IDLE_MS = 400              # after typing stops: save the draft, count its tokens
 STAGES = {"weights": "Loading weights", "kernels": "Compiling Triton kernels",
           "graph": "Capturing the CUDA graph"}
 CPU_BANNER = "Running the reference engine on the CPU: slow."
-
-
-def title_from(text: str) -> str:
-    """A conversation title from its first message: first line, trimmed."""
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    line = re.sub(r"\s+", " ", line)
-    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "\u2026"
-
-
-@dataclass
-class Generation:
-    """The answer being generated (there is at most one)."""
-
-    request: GenerateRequest
-    conv_id: int
-    user_msg_id: int
-    assistant_msg_id: int
-    user_text: str
-    thinking_enabled: bool
-    new_conversation: bool           # created by this send: removed again if the send fails
-    thinking: str = ""
-    answer: str = ""
-    last_save: float = field(default_factory=time.monotonic)
-    discarded: bool = False          # its conversation was deleted: write nothing more
+TINY_BANNER = ("This is a tiny model with random weights (tritonchat --demo / make-tiny): its "
+               "answers are random text.")
+DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
 
 
 class MainWindow(QMainWindow):
@@ -72,6 +54,18 @@ class MainWindow(QMainWindow):
     generationFailed = Signal(str, str)     # sentence, details
     modelLoaded = Signal(dict)
     modelLoadFailed = Signal(str, str)      # sentence, details
+
+    # the conversation's state lives in the controller; these read and set it there
+    settings = property(lambda self: self.conversation.settings,
+                        lambda self, v: setattr(self.conversation, "settings", v))
+    loaded = property(lambda self: self.conversation.loaded,
+                      lambda self, v: setattr(self.conversation, "loaded", v))
+    max_context = property(lambda self: self.conversation.max_context,
+                           lambda self, v: setattr(self.conversation, "max_context", v))
+    engine_options = property(lambda self: self.conversation.engine_options,
+                              lambda self, v: setattr(self.conversation, "engine_options", v))
+    conv_id = property(lambda self: self.conversation.conv_id)
+    gen = property(lambda self: self.conversation.gen)
 
     def __init__(self, model: str, store: ChatStore, qsettings: QSettings, *,
                  loader: SessionLoader | None = None, engine_overrides: dict | None = None,
@@ -83,16 +77,13 @@ class MainWindow(QMainWindow):
         self.engine_overrides = dict(engine_overrides or {})
         self._download = download or _download_with_dialog
         self.model_defaults = SamplingParams()
-        self.settings: ChatSettings = load_settings(qsettings, None)
         self.capabilities: dict = {}
-        self.engine_options: dict = {}
-        self.loaded = False
-        self.conv_id: int | None = None
-        self.gen: Generation | None = None
-        self.max_context = self.settings.context_length
         self._engine_wanted: dict = {}
         self.model_dir: str | None = None
         self._closing = False
+        self.engine = EngineClient(loader, self)
+        self.conversation = ConversationController(store, self.engine, load_settings(qsettings, None),
+                                                   _ChatWiring(self))
 
         app = QApplication.instance()
         self.colors = theme.apply_theme(app, self.settings.theme)
@@ -100,7 +91,6 @@ class MainWindow(QMainWindow):
         self.resize(1180, 780)
         self.setMinimumSize(720, 480)
 
-        self.engine = EngineClient(loader, self)
         # bound methods of this QObject, never lambdas: PySide runs a lambda connected to a
         # signal of another thread in *that* thread; a method of a QObject runs in its owner's
         w = self.engine.worker
@@ -119,6 +109,7 @@ class MainWindow(QMainWindow):
 
         self._build_ui()
         self._build_menus()
+        self.conversation.recover()             # answers a crash cut off: marked, or gone if empty
         # "system" follows the desktop when it switches between light and dark
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
         self._restore_ui()
@@ -168,12 +159,20 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(style, self)
         self.chat.editSubmitted.connect(self.edit_and_resend)
         self.chat.regenerateRequested.connect(self.regenerate)
+        self.chat.variantRequested.connect(self.conversation.select_variant)
         self.chat.suggestionChosen.connect(self._use_suggestion)
         self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied to the clipboard", 2000))
         self.input = ChatInput(self)
         self.input.sendRequested.connect(self.send)
         self.input.stopRequested.connect(self.stop)
         self.input.set_ready(False, "The model is loading")
+        # the draft: kept per conversation at once, saved and counted once typing pauses
+        self._draft_timer = QTimer(self)
+        self._draft_timer.setSingleShot(True)
+        self._draft_timer.setInterval(DRAFT_IDLE_MS)
+        self._draft_timer.timeout.connect(self._draft_idle)
+        self._showing_draft = False
+        self.input.box.textChanged.connect(self._on_draft_changed)
 
         main = QWidget(self)
         main.setObjectName("ChatSurface")
@@ -189,17 +188,23 @@ class MainWindow(QMainWindow):
         ml.addWidget(self.chat, 1)
         ml.addWidget(self.input)
 
+        self.timing = TimingPanel(self.colors, self)
+        # sidebar | chat | timing panel: the user drags the handles, the panel collapses to the
+        # right edge (then it reads as closed), and the sizes are kept in ui/splitter
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(main)
+        self.splitter.addWidget(self.timing)
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([260, 920])
+        self.splitter.setStretchFactor(2, 0)
+        self.splitter.setSizes([260, 920, 0])
         self.splitter.setChildrenCollapsible(False)
+        for i, collapsible in enumerate((False, False, True)):
+            self.splitter.setCollapsible(i, collapsible)
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         self.setCentralWidget(self.splitter)
 
-        self.timing = TimingPanel(self.colors, self)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.timing)
         self.timing.hide()
         toggle = self.timing.toggleViewAction()
         toggle.setText("Timing panel")
@@ -208,7 +213,7 @@ class MainWindow(QMainWindow):
         toggle.toggled.connect(self.timing_button.setChecked)
         self.timing_button.clicked.connect(lambda on: self.timing.setVisible(on))
         self._timing_sent: bool | None = None
-        self._timing_sized = False              # the panel opens once at its preferred width
+        self._timing_width: int | None = None    # the user's width for the panel, once dragged
 
         self.engine_label = QLabel("Starting\u2026", self)
         self.engine_label.setObjectName("MutedLabel")
@@ -282,6 +287,14 @@ class MainWindow(QMainWindow):
         sizes = self.qs.value("ui/splitter")
         if isinstance(sizes, (QByteArray, bytes)):
             self.splitter.restoreState(QByteArray(sizes))
+            for i, collapsible in enumerate((False, False, True)):   # the state restores these too
+                self.splitter.setCollapsible(i, collapsible)
+            self.timing.hide()                   # the panel opens when asked (Ctrl+T)
+        try:
+            width = int(self.qs.value("ui/timing_width") or 0)
+        except (TypeError, ValueError):
+            width = 0
+        self._timing_width = width if width >= self.timing.minimumWidth() else None
 
     # ================================================================== model loading
     def start(self) -> None:
@@ -295,6 +308,11 @@ class MainWindow(QMainWindow):
             model_dir = local_model_dir(self.model)
             if model_dir is None:
                 model_dir = self._download(self.model, self)
+                if model_dir is not None and not _in_hub_cache(model_dir):
+                    # "Use a folder on disk...": the next launch opens it, Settings shows it
+                    remember_model(self.qs, str(model_dir))
+                    self.settings.model = str(model_dir)
+                    self.settings.recent_models = load_settings(self.qs, self.model_defaults).recent_models
                 if model_dir is None:
                     self.show_banner(
                         f"The model {self.model} is not downloaded yet: use File \u2192 Download the "
@@ -305,6 +323,12 @@ class MainWindow(QMainWindow):
                     return
         self.load_model(str(model_dir))
 
+    def _switch_model(self, model: str) -> None:
+        """Open another model (chosen in Settings) in place of the running one."""
+        self.model = model
+        self.banner.clear()
+        self.start()
+
     def load_model(self, model_dir: str) -> None:
         self.model_dir = model_dir
         self.loaded = False
@@ -312,11 +336,7 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("Loading the model\u2026")
         self.load_bar.setValue(0)
         self.load_bar.show()
-        self._engine_wanted = {"max_context": self.settings.context_length,
-                               "split_k": self.settings.split_k, "graph": self.settings.graph,
-                               "l2_state": self.settings.l2_state,
-                               "context_ranges": self.settings.context_ranges,
-                               "launch_cache": self.settings.launch_cache}
+        self._engine_wanted = {"max_context": self.settings.context_length, **self.settings.engine}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -347,7 +367,12 @@ class MainWindow(QMainWindow):
         self.input.set_ready(True)
         self._update_engine_label()
         self.chat.welcome.set_model_text(self._welcome_text())
-        if not self.capabilities.get("cuda", False):
+        from tritonchat.engine.tiny_model import is_tiny_model
+
+        if self.model_dir and is_tiny_model(self.model_dir):
+            self.show_banner(TINY_BANNER + ("" if self.capabilities.get("cuda") else " " + CPU_BANNER),
+                             self.capabilities.get("reason", ""), warning=True)
+        elif not self.capabilities.get("cuda", False):
             self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
         self._request_token_count()
         if self.timing.isVisible():
@@ -392,24 +417,10 @@ class MainWindow(QMainWindow):
         self.banner.show_message(text, details)
 
     def _update_engine_label(self) -> None:
-        o = self.engine_options
-        if not o:
-            return
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(o.get("dtype"), o.get("dtype"))
-        device = self.capabilities.get("device_name") or o.get("device", "")
-        parts = [f"{o.get('backend', '?')} backend", str(device), str(dtype),
-                 f"context {int(o.get('max_context', 0)):,}"]
-        if o.get("backend") == "triton":
-            parts += [f"split-K {'on' if o.get('split_k') else 'off'}",
-                      f"CUDA Graph {'on' if o.get('graph') else 'off'}"]
-            if "l2_state" in o:
-                parts.append(f"L2 states {'on' if o['l2_state'] else 'off'}")
-            if "context_ranges" in o:
-                parts.append(f"context ranges {'on' if o['context_ranges'] else 'off'}")
-            if "launch_cache" in o and not o.get("graph"):     # it acts only without the graph
-                parts.append(f"launch cache {'on' if o['launch_cache'] else 'off'}")
         name = Path(self.model_dir).name if self.model_dir else ""
-        self.engine_label.setText(" \u00b7 ".join(p for p in [name] + parts if p))
+        text = engine_label(self.engine_options, self.capabilities.get("device_name") or "", name)
+        if text:
+            self.engine_label.setText(text)
 
     # ================================================================== conversations
     def refresh_conversations(self) -> None:
@@ -417,43 +428,14 @@ class MainWindow(QMainWindow):
         self.sidebar.set_conversations(convs, self.conv_id)
 
     def new_chat(self) -> None:
-        self.conv_id = None
-        self.chat.clear()
-        self.sidebar.select(None)
-        self.header_title.setText(NEW_CHAT_TITLE)
-        self.setWindowTitle("tritonchat")
-        self._update_actions()
-        self._request_token_count()
+        self.conversation.new_chat()
         self.input.box.setFocus()
 
     def open_conversation(self, conv_id: int) -> None:
-        try:
-            conv = self.store.get_conversation(conv_id)
-        except Exception:
-            self.refresh_conversations()
-            return
-        self.conv_id = conv_id
-        self.chat.set_messages(self.store.messages(conv_id))
-        g = self.gen
-        if g is not None and g.conv_id == conv_id and not g.discarded:
-            self.chat.attach_stream(g.assistant_msg_id, g.thinking, g.answer, g.thinking_enabled)
-        self.chat.set_busy(self.gen is not None)
-        self.sidebar.select(conv_id)
-        self.header_title.setText(conv.title)
-        self.setWindowTitle(f"{conv.title} \u2014 tritonchat")
-        self.qs.setValue("ui/last_conversation", conv_id)
-        self._update_actions()
-        self._request_token_count()
+        self.conversation.open(conv_id)
 
     def rename_conversation(self, conv_id: int, title: str) -> None:
-        title = title.strip()
-        if not title:
-            return
-        self.store.rename_conversation(conv_id, title)
-        if conv_id == self.conv_id:
-            self.header_title.setText(title)
-            self.setWindowTitle(f"{title} \u2014 tritonchat")
-        self.refresh_conversations()
+        self.conversation.rename(conv_id, title)
 
     def delete_conversation(self, conv_id: int) -> None:
         try:
@@ -462,14 +444,7 @@ class MainWindow(QMainWindow):
             return
         if not self._confirm("Delete chat", f"Delete \u201c{title}\u201d? This cannot be undone."):
             return
-        g = self.gen
-        if g is not None and g.conv_id == conv_id:
-            g.discarded = True
-            g.request.stop_event.set()
-        self.store.delete_conversation(conv_id)
-        if conv_id == self.conv_id:
-            self.new_chat()
-        self.refresh_conversations()
+        self.conversation.delete(conv_id)
 
     def export_conversation(self, conv_id: int, fmt: str) -> None:
         try:
@@ -511,78 +486,26 @@ class MainWindow(QMainWindow):
 
     # ================================================================== sending
     def send(self, text: str) -> None:
-        if not text.strip() or self.gen is not None or not self.loaded:
-            return
-        new_conv = self.conv_id is None
-        if new_conv:
-            self.conv_id = self.store.create_conversation(title_from(text) or NEW_CHAT_TITLE)
-            self.qs.setValue("ui/last_conversation", self.conv_id)
-            self.header_title.setText(self.store.get_conversation(self.conv_id).title)
-        user_id = self.store.add_message(self.conv_id, "user", text)
-        self.input.clear()
-        self.chat.add_message(user_id, "user", text)
-        self.refresh_conversations()
-        self._start_generation(self.conv_id, user_id, text, new_conv)
+        if self.conversation.send(text):
+            self._draft_timer.stop()
+            self._showing_draft = True          # clearing the box is not a new draft
+            self.input.clear()
+            self._showing_draft = False
 
     def edit_and_resend(self, user_msg_id: int, text: str) -> None:
-        if self.gen is not None or not self.loaded or self.conv_id is None or not text.strip():
-            return
-        conv = self.conv_id
-        self.store.delete_messages_from(conv, user_msg_id)
-        self.chat.remove_from(user_msg_id)
-        user_id = self.store.add_message(conv, "user", text)
-        self.chat.add_message(user_id, "user", text)
-        self._start_generation(conv, user_id, text, False)
+        self.conversation.edit(user_msg_id, text)
 
     def regenerate(self, assistant_msg_id: int) -> None:
-        if self.gen is not None or not self.loaded or self.conv_id is None:
-            return
-        conv = self.conv_id
-        msgs = self.store.messages(conv)
-        idx = next((i for i, m in enumerate(msgs) if m.id == assistant_msg_id), None)
-        # only the last answer: regenerating an earlier one would silently drop the turns after it
-        if idx is None or idx != len(msgs) - 1 or idx == 0 or msgs[idx - 1].role != "user":
-            return
-        user = msgs[idx - 1]
-        self.store.delete_messages_from(conv, assistant_msg_id)
-        self.chat.remove_from(assistant_msg_id)
-        self._start_generation(conv, user.id, user.content, False)
+        self.conversation.regenerate(assistant_msg_id)
 
     def _regenerate_last(self) -> None:
-        last = next((w for w in reversed(self.chat.messages) if w.role == "assistant"), None)
-        if last is not None:
-            self.regenerate(last.msg_id)
+        self.conversation.regenerate_last()
 
     def engine_messages(self, conv_id: int) -> list[dict]:
-        """The conversation as the engine sees it: system prompt, then the stored turns."""
-        out: list[dict] = []
-        if self.settings.system_prompt.strip():
-            out.append({"role": "system", "content": self.settings.system_prompt})
-        for m in self.store.messages(conv_id):
-            if m.role == "system":
-                continue
-            d = {"role": m.role, "content": m.content}
-            if m.role == "assistant" and m.thinking:
-                d["reasoning_content"] = m.thinking
-            out.append(d)
-        return out
-
-    def _start_generation(self, conv_id: int, user_msg_id: int, user_text: str, new_conv: bool) -> None:
-        s = self.settings
-        messages = self.engine_messages(conv_id)
-        assistant_id = self.store.add_message(conv_id, "assistant", "")
-        if conv_id == self.conv_id:
-            self.chat.begin_stream(assistant_id, s.thinking)
-        request = self.engine.generate(messages, s.sampling_params(), s.max_new_tokens, s.thinking)
-        self.gen = Generation(request=request, conv_id=conv_id, user_msg_id=user_msg_id,
-                              assistant_msg_id=assistant_id, user_text=user_text,
-                              thinking_enabled=s.thinking, new_conversation=new_conv)
-        self.timing.begin_generation()
-        self._set_generating(True)
+        return self.conversation.engine_messages(conv_id)
 
     def stop(self) -> None:
-        if self.gen is not None:
-            self.gen.request.stop_event.set()
+        if self.conversation.stop():
             self.statusBar().showMessage("Stopping\u2026", 1500)
 
     def _set_generating(self, on: bool) -> None:
@@ -600,82 +523,20 @@ class MainWindow(QMainWindow):
         self.regenerate_action.setEnabled(has_conv and not busy)
         self.stop_action.setEnabled(busy)
 
-    # ---- engine reports
-    def _current(self, request_id: int) -> Generation | None:
-        g = self.gen
-        return g if g is not None and g.request.request_id == request_id else None
-
+    # ---- engine reports: to the controller, and to the timing panel
     def _on_text(self, request_id: int, thinking: str, answer: str) -> None:
-        g = self._current(request_id)
-        if g is None:
-            return
-        g.thinking += thinking
-        g.answer += answer
-        if g.conv_id == self.conv_id and self.chat.streaming is not None:
-            self.chat.append_stream(thinking, answer)
-        now = time.monotonic()
-        if not g.discarded and now - g.last_save >= SAVE_INTERVAL_S:
-            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking)
-            g.last_save = now
+        self.conversation.on_text(request_id, thinking, answer)
 
     def _on_stats(self, request_id: int, stats: dict) -> None:
-        g = self._current(request_id)
-        if g is None:
-            return
-        self.timing.add_stats(stats)
-        if g.conv_id == self.conv_id and stats.get("context_tokens") is not None:
-            self.input.set_context(int(stats["context_tokens"]), int(stats.get("max_context") or self.max_context))
+        if self.gen is not None and self.gen.request.request_id == request_id:
+            self.timing.add_stats(stats)
+        self.conversation.on_stats(request_id, stats)
 
     def _on_finished(self, request_id: int, reply: dict) -> None:
-        g = self._current(request_id)
-        if g is None:
-            return
-        self.gen = None
-        stats = {**(reply.get("engine") or {}), **(reply.get("stats") or {}),
-                 "thinking_seconds": float(reply.get("thinking_seconds") or 0.0)}
-        stats.pop("timing", None)
-        answer, thinking = reply.get("answer", g.answer), reply.get("thinking", g.thinking)
-        if not g.discarded:
-            self.store.update_message(g.assistant_msg_id, content=answer, thinking=thinking, stats=stats)
-        if g.conv_id == self.conv_id and not g.discarded:
-            self.chat.finish_stream(answer, thinking, stats["thinking_seconds"], stats)
-        self.timing.add_stats(stats)             # the panel ends on the answer's own numbers
-        self._set_generating(False)
-        self.refresh_conversations()
-        self._request_token_count()
-        if self.timing.isVisible():
-            self.engine.read_timings()
-        self.generationFinished.emit(stats)
+        self.conversation.on_finished(request_id, reply)
 
     def _on_failed(self, request_id: int, sentence: str, details: str, kind: str) -> None:
-        g = self._current(request_id)
-        if g is None:
-            return
-        self.gen = None
-        shown = g.conv_id == self.conv_id
-        if g.discarded:
-            pass
-        elif g.answer or g.thinking:
-            # keep what was written; the stats say it ended in an error
-            stats = {**self.engine_options, "stop_reason": "error"}
-            stats.pop("timing", None)
-            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking, stats=stats)
-            if shown:
-                self.chat.finish_stream(g.answer, g.thinking, None, stats)
-        else:
-            # nothing came out: undo the send and give the text back
-            self.store.delete_messages_from(g.conv_id, g.user_msg_id)
-            if shown:
-                self.chat.remove_from(g.user_msg_id)
-            if g.new_conversation and not self.store.messages(g.conv_id):
-                self.store.delete_conversation(g.conv_id)
-                if shown:
-                    self.new_chat()
-            self.input.restore(g.user_text)
-        self._set_generating(False)
-        self.refresh_conversations()
-        show_error(self, sentence, details)
-        self.generationFailed.emit(sentence, details)
+        self.conversation.on_failed(request_id, sentence, details)
 
     def _on_configure_failed(self, sentence: str, details: str) -> None:
         if self._closing:        # reports still queued when the window closed
@@ -690,31 +551,53 @@ class MainWindow(QMainWindow):
         self._update_engine_label()
         self._request_token_count()
 
-    # ================================================================== context meter
+    # ================================================================== context meter, draft
     def _request_token_count(self) -> None:
-        if not self.loaded:
-            self.input.set_context(0, self.max_context)
-            return
-        tag = self.conv_id if self.conv_id is not None else -1
-        messages = self.engine_messages(self.conv_id) if self.conv_id is not None else (
-            [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt.strip() else [])
-        self.engine.count_tokens(tag, messages, self.settings.thinking)
+        self.conversation.count_context(self.input.text())
 
     def _on_token_count(self, tag: int, n: int, max_context: int) -> None:
         if self._closing:        # reports still queued when the window closed
             return
-        if tag == (self.conv_id if self.conv_id is not None else -1) and self.gen is None:
-            self.max_context = max_context
-            self.input.set_context(n, max_context)
+        self.conversation.on_token_count(tag, n, max_context)
+
+    def _on_draft_changed(self) -> None:
+        if self._showing_draft:
+            return
+        self.conversation.set_draft(self.input.text())      # the estimate shows at once
+        self._draft_timer.start()
+
+    def _draft_idle(self) -> None:
+        self.conversation.flush_drafts()
+        self._request_token_count()                         # the tokenizer's exact count
 
     # ================================================================== timing panel
+    def _place_timing(self) -> None:
+        """Open the panel at the width the user last dragged it to; the first time at its
+        table's width, but never more than leaves the chat CHAT_SHARE of the splitter (the
+        sidebar gives way down to its minimum before the panel goes below its own)."""
+        sizes = self.splitter.sizes()
+        total = sum(sizes) or self.splitter.width()
+        sidebar = sizes[0]
+        if self._timing_width:
+            width = min(self._timing_width, max(self.timing.minimumWidth(), total - sidebar - MIN_CHAT_WIDTH))
+        else:
+            room = total - int(CHAT_SHARE * total)          # for the sidebar and the panel
+            width = min(self.timing.preferred_width(), room - sidebar)
+            if width < self.timing.minimumWidth():
+                sidebar = max(self.sidebar.minimumWidth(), room - self.timing.minimumWidth())
+                width = max(self.timing.minimumWidth(), room - sidebar)
+        self.splitter.setSizes([sidebar, total - sidebar - width, width])
+
+    def _on_splitter_moved(self, _pos: int, _index: int) -> None:
+        width = self.splitter.sizes()[2]
+        if width > 0:
+            self._timing_width = width
+        elif self.timing.isVisible():            # dragged shut: the panel is closed
+            self.timing.hide()
+
     def _on_timing_toggled(self, visible: bool) -> None:
-        if (visible and not self._timing_sized and not self.timing.isFloating()
-                and self.dockWidgetArea(self.timing) == Qt.DockWidgetArea.RightDockWidgetArea):
-            # wide enough for every column of the kernel table (later the user's width stays)
-            self._timing_sized = True
-            self.resizeDocks([self.timing], [self.timing.preferred_width()],
-                             Qt.Orientation.Horizontal)
+        if visible:
+            self._place_timing()
         if not self.loaded or self._closing:
             return
         if self._timing_sent != visible:
@@ -739,14 +622,13 @@ class MainWindow(QMainWindow):
     def apply_settings(self, new: ChatSettings) -> None:
         """Store the settings and push what changed to the engine (no restart needed)."""
         save_settings(self.qs, new, self.model_defaults)
-        self.settings = new
+        old_model, self.settings = self.settings.model, new
+        switch_model = new.model != old_model and self.gen is None
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
-        wanted = {"split_k": new.split_k, "graph": new.graph, "l2_state": new.l2_state,
-                  "context_ranges": new.context_ranges, "launch_cache": new.launch_cache,
-                  "max_context": new.context_length}
+        wanted = {**new.engine, "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
-        if changes and self.loaded:
+        if changes and self.loaded and not switch_model:
             self.engine.configure(**changes)
             if self.timing.isVisible():
                 self.engine.read_timings()      # after the change (the worker runs them in order)
@@ -755,6 +637,9 @@ class MainWindow(QMainWindow):
             self.set_theme(new.theme)
         elif new.theme in self.theme_actions:
             self.theme_actions[new.theme].setChecked(True)
+        if switch_model:
+            self._switch_model(new.model or DEFAULT_MODEL)
+            return
         self._request_token_count()
 
     def set_theme(self, mode: str) -> None:
@@ -781,7 +666,8 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage("Last answer copied", 2000)
 
     def _use_suggestion(self, prompt: str) -> None:
-        self.input.set_text(prompt)
+        # never over what was typed: the suggestion goes after it, one Ctrl+Z away
+        self.input.insert_text(prompt)
         self.input.box.setFocus()
 
     def _focus_search(self) -> None:
@@ -796,24 +682,109 @@ class MainWindow(QMainWindow):
 
     # ================================================================== closing
     def save_in_flight(self) -> None:
-        """Write the streaming answer as it stands (used on close)."""
-        g = self.gen
-        if g is not None and not g.discarded:
-            stats = {**self.engine_options, "stop_reason": "stopped"}
-            stats.pop("timing", None)
-            self.store.update_message(g.assistant_msg_id, content=g.answer, thinking=g.thinking, stats=stats)
-            g.discarded = True
+        """Write the streaming answer as it stands, and the drafts (used on close)."""
+        self.conversation.save_in_flight()
 
     def closeEvent(self, event) -> None:
         self._closing = True
         self.qs.setValue("ui/geometry", self.saveGeometry())
         self.qs.setValue("ui/splitter", self.splitter.saveState())
+        if self._timing_width:
+            self.qs.setValue("ui/timing_width", int(self._timing_width))
         if self.conv_id is not None:
             self.qs.setValue("ui/last_conversation", self.conv_id)
         self.qs.sync()
         self.save_in_flight()
         self.engine_closed = self.engine.close(timeout_s=30.0)
         super().closeEvent(event)
+
+
+class _ChatWiring(ConversationListener):
+    """The controller's reports, shown in the window's views."""
+
+    def __init__(self, window: MainWindow):
+        self.w = window
+
+    def opened(self, conv_id, title, messages, streaming, draft) -> None:
+        w = self.w
+        if conv_id is None:
+            w.chat.clear()
+        else:
+            w.chat.set_messages(messages)
+            if streaming is not None:
+                w.chat.attach_stream(streaming.assistant_msg_id, streaming.thinking,
+                                     streaming.answer, streaming.thinking_enabled)
+            w.qs.setValue("ui/last_conversation", conv_id)
+        w.chat.set_busy(w.gen is not None)
+        w.sidebar.select(conv_id)
+        self.title_changed(conv_id, title)
+        w._showing_draft = True                 # the box shows this conversation's draft
+        w.input.set_text(draft)
+        w._showing_draft = False
+        w._update_actions()
+
+    def title_changed(self, conv_id, title) -> None:
+        w = self.w
+        if conv_id == w.conv_id:
+            w.header_title.setText(title)
+            w.setWindowTitle(f"{title} \u2014 tritonchat" if conv_id is not None else "tritonchat")
+            if conv_id is not None:
+                w.qs.setValue("ui/last_conversation", conv_id)
+
+    def message_added(self, message: Message) -> None:
+        self.w.chat.add_message(message.id, message.role, message.content, message.thinking,
+                                message.stats, variant=(message.variant, message.variants))
+
+    def removed_from(self, msg_id) -> None:
+        self.w.chat.remove_from(msg_id)
+
+    def stream_started(self, message: Message, thinking_enabled) -> None:
+        self.w.chat.begin_stream(message.id, thinking_enabled,
+                                 variant=(message.variant, message.variants))
+        self.w.timing.begin_generation()
+
+    def stream_text(self, thinking, answer) -> None:
+        if self.w.chat.streaming is not None:
+            self.w.chat.append_stream(thinking, answer)
+
+    def stream_finished(self, message: Message, thinking_seconds) -> None:
+        self.w.chat.finish_stream(message.content, message.thinking, thinking_seconds, message.stats)
+
+    def busy_changed(self, busy) -> None:
+        self.w._set_generating(busy)
+
+    def text_returned(self, text) -> None:
+        self.w.input.restore(text)
+
+    def conversations_changed(self) -> None:
+        self.w.refresh_conversations()
+
+    def context_changed(self, used, total, exact) -> None:
+        self.w.input.set_context(used, total, exact=exact)
+
+    def refused(self, sentence) -> None:
+        show_error(self.w, sentence)
+
+    def generation_finished(self, stats) -> None:
+        w = self.w
+        w.timing.add_stats(stats)             # the panel ends on the answer's own numbers
+        if w.timing.isVisible():
+            w.engine.read_timings()
+        w.generationFinished.emit(stats)
+
+    def generation_failed(self, sentence, details) -> None:
+        show_error(self.w, sentence, details)
+        self.w.generationFailed.emit(sentence, details)
+
+
+def _in_hub_cache(folder) -> bool:
+    from tritonchat.engine.hub import model_cache_dir
+
+    try:
+        Path(folder).resolve().relative_to(model_cache_dir().resolve())
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def _download_with_dialog(repo_id: str, parent: QWidget) -> Path | None:

@@ -1,11 +1,13 @@
 """Grab a screenshot of the main window in mid-conversation.
 
     python -m tritonchat.app.screenshot OUT.png [--model DIR] [--theme light|dark] [--timing]
+                                        [--regenerate]
 
-Without --model it writes a tiny random-weight checkpoint to a temporary folder (so the answer
-text is gibberish; pass the real model folder for a representative picture). It uses a
+Without --model it writes a tiny random-weight model (`tritonchat make-tiny`) to a temporary folder
+(so the answer text is gibberish; pass the real model folder for a representative picture). It uses a
 temporary chat history and settings file, sends one message, waits for the answer, sends a
-second one and grabs the window while that answer is still streaming. Run it under Xvfb (or
+second one and grabs the window while that answer is still streaming. With --regenerate it
+answers the first message twice instead and grabs the second answer with its "‹ 2/2 ›" arrows. Run it under Xvfb (or
 QT_QPA_PLATFORM=offscreen) on a machine with fonts installed.
 """
 from __future__ import annotations
@@ -21,12 +23,9 @@ SECOND_PROMPT = "Now explain how it works, step by step."
 
 
 def _tiny_checkpoint(folder: Path) -> Path:
-    root = Path(__file__).resolve().parents[1]          # the repository (editable install)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tests.fixtures.checkpoints import make_tiny_checkpoint
+    from tritonchat.engine.tiny_model import make_tiny_model
 
-    return make_tiny_checkpoint(folder / "tiny-qwen35")
+    return make_tiny_model(folder / "tiny-qwen35")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-chars", type=int, default=120,
                     help="grab once the streaming answer has this many characters")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--regenerate", action="store_true",
+                    help="regenerate the first answer and grab its variant arrows")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen" if not os.environ.get("DISPLAY") else "xcb")
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         window.timing.show()
     window.generationFinished.connect(lambda _s: loop.quit())
     run(lambda: window.send(FIRST_PROMPT))
+    if args.regenerate:
+        run(window._regenerate_last)
+        return _grab(app, window, store, args.out)
 
     # the second answer: grab while it streams (or when it ends, if it is short)
     poll = QTimer()
@@ -97,14 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     poll.start()
     run(lambda: window.send(SECOND_PROMPT))
     poll.stop()
+    return _grab(app, window, store, args.out)
+
+
+def _grab(app, window, store, out: Path) -> int:
+    from PySide6.QtCore import QEventLoop
+
     app.processEvents(QEventLoop.ProcessEventsFlag.AllEvents, 100)
     window.chat._tick()                       # the streaming text as of now
     app.processEvents(QEventLoop.ProcessEventsFlag.AllEvents, 100)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    ok = window.grab().save(str(args.out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ok = window.grab().save(str(out))
     window.close()
     store.close()
-    print(f"wrote {args.out}" if ok else f"could not write {args.out}")
+    print(f"wrote {out}" if ok else f"could not write {out}")
     return 0 if ok else 1
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
 
+import logging
 from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QSettings
 
-from tritonchat.engine.options import EngineOptions, SamplingParams
+from tritonchat.engine.options import EngineOptions, OptionError, SamplingParams, switch_fields
+
+log = logging.getLogger("tritonchat.settings")
 
 ORGANIZATION = "tritonchat"
 APPLICATION = "tritonchat"
@@ -23,6 +26,18 @@ _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "repetitio
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONTEXT = EngineOptions().max_context
 CONTEXT_CHOICES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+MAX_RECENT_MODELS = 8
+# the timing switch follows the timing panel (open = on), it is no preference of its own
+PANEL_SWITCHES = ("timing",)
+
+
+def engine_switch_fields() -> list:
+    """The EngineOptions switches the settings keep and the dialog shows, in their order."""
+    return [f for f in switch_fields() if f.name not in PANEL_SWITCHES]
+
+
+def default_switches() -> dict[str, bool]:
+    return {f.name: bool(f.default) for f in engine_switch_fields()}
 
 
 @dataclass
@@ -33,16 +48,18 @@ class ChatSettings:
     seed: int | None = None             # None: a fresh random seed per answer
     context_length: int = DEFAULT_CONTEXT
     thinking: bool = False              # Qwen3.5-0.8B answers without thinking by default
-    split_k: bool = True
-    graph: bool = True
-    l2_state: bool = True               # the GDN states in a persisting L2 window (Triton, CUDA)
-    context_ranges: bool = True         # kernel plans per range of positions (Triton)
-    launch_cache: bool = True           # graph off: replay the step's recorded launches (Triton)
+    # the engine switches by EngineOptions field name (options.switch_fields), timing excluded
+    engine: dict[str, bool] = field(default_factory=default_switches)
     theme: str = "system"
+    model: str = ""                     # "" = the default hub model, else a model folder
+    recent_models: list[str] = field(default_factory=list)    # folders used before, newest first
 
     def sampling_params(self) -> SamplingParams:
         """The SamplingParams for the next answer (seed included)."""
         return replace(self.sampling, seed=self.seed)
+
+    def switch(self, name: str) -> bool:
+        return bool(self.engine.get(name, default_switches().get(name, False)))
 
 
 def open_settings(path: str | None = None) -> QSettings:
@@ -66,14 +83,68 @@ def _get(qs: QSettings, key: str, default, kind):
         return default
 
 
-def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -> ChatSettings:
-    base = model_defaults or SamplingParams()
+def _engine_switches(qs: QSettings) -> dict[str, bool]:
+    """engine/switches/<field> for each switch; the old flat keys (engine/split_k, ...) are
+    read when the new one is absent, so an older settings file keeps its choices."""
+    out = {}
+    for f in engine_switch_fields():
+        new, old = f"engine/switches/{f.name}", f"engine/{f.name}"
+        key = new if qs.contains(new) else old
+        out[f.name] = _get(qs, key, bool(f.default), bool)
+    return out
+
+
+def _sampling(qs: QSettings, base: SamplingParams) -> tuple[SamplingParams, set[str]]:
+    """The stored sampling values over the model's; a value SamplingParams.validate() refuses
+    is dropped for the model's default with one logged sentence."""
     sampling = replace(base, seed=None)
+    stored: set[str] = set()
     for name in SAMPLING_FIELDS:
         kind = float if name in _FLOAT_FIELDS else int
-        setattr(sampling, name, _get(qs, f"sampling/{name}", getattr(base, name), kind))
+        key = f"sampling/{name}"
+        value = _get(qs, key, None, kind)
+        if value is None:
+            if qs.contains(key):
+                log.warning("The settings file holds %s = %r, which is not a number; the model's "
+                            "default %r is used.", key, qs.value(key), getattr(base, name))
+            continue
+        trial = replace(sampling, **{name: value})
+        try:
+            trial.validate()
+        except OptionError as e:
+            log.warning("The settings file holds %s = %r (%s); the model's default %r is used.",
+                        key, value, str(e).rstrip("."), getattr(base, name))
+            continue
+        sampling = trial
+        stored.add(name)
+    return sampling, stored
+
+
+def load_model_choice(qs: QSettings) -> str:
+    """The model chosen in Settings: "" for the default hub model, else a folder."""
+    return str(_get(qs, "model/path", "", str) or "").strip()
+
+
+def _recent(qs: QSettings) -> list[str]:
+    value = qs.value("model/recent") if qs.contains("model/recent") else []
+    if isinstance(value, str):
+        value = [value] if value else []
+    return [str(v) for v in (value or []) if str(v).strip()][:MAX_RECENT_MODELS]
+
+
+def remember_model(qs: QSettings, folder: str) -> None:
+    """Use this folder from the next launch on and put it first among the recent ones."""
+    folder = str(folder)
+    qs.setValue("model/path", folder)
+    qs.setValue("model/recent", [folder] + [r for r in _recent(qs) if r != folder][: MAX_RECENT_MODELS - 1])
+    qs.sync()
+
+
+def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -> ChatSettings:
+    base = model_defaults or SamplingParams()
+    sampling, stored = _sampling(qs, base)
     # a temperature the user set above zero means sampling even if the model default was greedy
-    if qs.contains("sampling/temperature"):
+    if "temperature" in stored:
         sampling.greedy = sampling.temperature <= 0.0
     seed_text = str(_get(qs, "generation/seed", "", str)).strip()
     return ChatSettings(
@@ -83,12 +154,10 @@ def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -
         seed=int(seed_text) if seed_text.lstrip("-").isdigit() else None,
         context_length=max(256, _get(qs, "engine/context_length", DEFAULT_CONTEXT, int)),
         thinking=_get(qs, "generation/thinking", False, bool),
-        split_k=_get(qs, "engine/split_k", True, bool),
-        graph=_get(qs, "engine/graph", True, bool),
-        l2_state=_get(qs, "engine/l2_state", True, bool),
-        context_ranges=_get(qs, "engine/context_ranges", True, bool),
-        launch_cache=_get(qs, "engine/launch_cache", True, bool),
+        engine=_engine_switches(qs),
         theme=t if (t := _get(qs, "ui/theme", "system", str)) in ("system", "light", "dark") else "system",
+        model=load_model_choice(qs),
+        recent_models=_recent(qs),
     )
 
 
@@ -105,10 +174,11 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     qs.setValue("generation/seed", "" if s.seed is None else str(int(s.seed)))
     qs.setValue("generation/thinking", bool(s.thinking))
     qs.setValue("engine/context_length", int(s.context_length))
-    qs.setValue("engine/split_k", bool(s.split_k))
-    qs.setValue("engine/graph", bool(s.graph))
-    qs.setValue("engine/l2_state", bool(s.l2_state))
-    qs.setValue("engine/context_ranges", bool(s.context_ranges))
-    qs.setValue("engine/launch_cache", bool(s.launch_cache))
+    for f in engine_switch_fields():
+        qs.setValue(f"engine/switches/{f.name}", bool(s.switch(f.name)))
+        qs.remove(f"engine/{f.name}")             # the pre-dict key, migrated
     qs.setValue("ui/theme", s.theme)
+    qs.setValue("model/path", s.model or "")
+    recent = list(dict.fromkeys(([s.model] if s.model else []) + list(s.recent_models)))
+    qs.setValue("model/recent", recent[:MAX_RECENT_MODELS])
     qs.sync()

@@ -1,22 +1,49 @@
-"""Settings: system prompt, samplers, lengths, thinking, engine switches, theme.
+"""Settings: system prompt, samplers, lengths, thinking, engine switches, model, theme.
 
 The dialog only edits a ChatSettings copy; the main window applies the result (engine switches
-through the worker's configure / set_max_context, without a restart).
+through the worker's configure / set_max_context, without a restart). The engine tab is built
+from EngineOptions' switch fields (label, help, measured figure, scope): a switch that does not
+apply to the running engine is shown unchecked and greyed with the reason, and keeps the
+stored choice for an engine where it does.
 """
 from __future__ import annotations
 
 from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Python 3.11)
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
-                               QFormLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
-                               QSpinBox, QTabWidget, QVBoxLayout, QWidget)
+                               QFileDialog, QFormLayout, QLabel, QLineEdit, QPlainTextEdit,
+                               QPushButton, QSpinBox, QTabWidget, QVBoxLayout, QWidget)
 
-from tritonchat.engine.options import SamplingParams
+from tritonchat.engine.options import SCOPE_REASON, EngineOptions, OptionError, SamplingParams
 
-from .settings import CONTEXT_CHOICES, ChatSettings
+from .settings import CONTEXT_CHOICES, ChatSettings, engine_switch_fields
+
+DEFAULT_MODEL_LABEL = "Qwen/Qwen3.5-0.8B (downloaded from Hugging Face)"
+CHOOSE_FOLDER = "\x00choose"          # the picker's last item: opens a folder dialog
+_FLAG_LABELS = {"--temperature": "Temperature", "--top-k": "Top-k", "--top-p": "Top-p",
+                "--min-p": "Min-p", "--presence-penalty": "Presence penalty",
+                "--repetition-penalty": "Repetition penalty"}
+
+
+def switch_tooltip(f, device_name: str = "") -> str:
+    """What the switch does and, where the field records one, what it measured."""
+    text = f.metadata["help"]
+    text = text[:1].upper() + text[1:] + "."
+    if f.metadata.get("measured"):
+        text += f" Measured: {f.metadata['measured']}."
+    if device_name:
+        text += f" Running on {device_name}."
+    return text
+
+
+def sampling_sentence(error: OptionError) -> str:
+    """OptionError's sentence with the field's label where it names the CLI flag."""
+    return re.sub(r"--[a-z-]+", lambda m: _FLAG_LABELS.get(m.group(0), m.group(0)), str(error))
 
 
 def _double(lo: float, hi: float, step: float, decimals: int, tip: str) -> QDoubleSpinBox:
@@ -73,7 +100,7 @@ class SettingsDialog(QDialog):
         self.top_k.setRange(0, 1000)
         self.top_k.setSpecialValueText("off")
         self.top_k.setToolTip("Sample among the k most likely tokens only; 0 = off")
-        self.top_p = _double(0.01, 1.0, 0.01, 2, "Nucleus sampling: the smallest set of tokens whose "
+        self.top_p = _double(0.0, 1.0, 0.01, 2, "Nucleus sampling: the smallest set of tokens whose "
                                                   "probabilities sum to p; 1 = off")
         self.min_p = _double(0.0, 1.0, 0.01, 2, "Drop tokens less likely than min_p x the top token's "
                                                  "probability; 0 = off")
@@ -91,6 +118,15 @@ class SettingsDialog(QDialog):
         self.reset_button.setToolTip("Use the values recommended in the checkpoint's generation_config.json")
         self.reset_button.clicked.connect(self.reset_sampling)
         f.addRow("", self.reset_button)
+        self.sampling_error = QLabel()
+        self.sampling_error.setObjectName("ErrorLabel")
+        self.sampling_error.setStyleSheet("color: #b3261e;")
+        self.sampling_error.setWordWrap(True)
+        self.sampling_error.hide()
+        f.addRow("", self.sampling_error)
+        for w in (self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
+                  self.repetition_penalty):
+            w.valueChanged.connect(self._check_sampling)
         tabs.addTab(sampling, "Sampling")
 
         # --- engine ---
@@ -104,46 +140,47 @@ class SettingsDialog(QDialog):
             self.context_length.addItem(f"{c}", c)
         self.context_length.setToolTip("Tokens the conversation can hold (prompt + answers); a larger "
                                        "context uses more memory. Applied without a restart.")
-        self.split_k = QCheckBox("Split-K for the narrow projections")
-        self.graph = QCheckBox("CUDA Graph for the decode step")
-        self.l2_state = QCheckBox("Keep the linear-attention states in L2")
-        self.context_ranges = QCheckBox("Kernel plans tuned per context length")
-        self.launch_cache = QCheckBox("Without the CUDA Graph, replay the recorded kernel launches")
-        triton = bool(caps.get("triton", False))
-        why = caps.get("reason") or "Needs the Triton backend on a CUDA GPU."
-        for box, tip in ((self.split_k, "Split the reduction of the 1024-row projections over more "
-                                         "thread blocks (fills the GPU; deterministic fp32 partial sums)"),
-                         (self.graph, "Replay the whole decode step as one CUDA graph (removes CPU "
-                                      "launch overhead)"),
-                         (self.l2_state, "Set ~20 MB of the GPU's L2 cache aside so the 18 Gated "
-                                         "DeltaNet layers' recurrent states (18 MB, read and written "
-                                         "every token) stay there instead of coming back from memory "
-                                         "(with the CUDA graph; ~1% faster on an H200)"),
-                         (self.context_ranges, "Use the decode table's other launch plans where they "
-                                               "measured faster: a persistent q|k|v projection below "
-                                               "1,792 tokens, a wider split of the attention from "
-                                               "22,528 on (one CUDA graph per range; ~1% faster at "
-                                               "short and at long contexts on an H200)"),
-                         (self.launch_cache, "With the CUDA Graph off, record the decode step's "
-                                             "~120 kernel launches once and then launch them "
-                                             "straight from that record, instead of through "
-                                             "Triton's Python dispatch each token (~7-10x faster "
-                                             "without the graph on an H200; off shows what the "
-                                             "dispatch costs)")):
-            box.setEnabled(triton)
-            box.setToolTip(tip if triton else why)
+        f.addRow("Context length", self.context_length)
+        self._caps = caps
+        self._engine_kind = EngineOptions(
+            backend=caps.get("backend") or ("triton" if caps.get("triton") else "reference"),
+            device=caps.get("device") or ("cuda" if caps.get("triton") and caps.get("cuda") else "cpu"))
+        self.switches: dict[str, QCheckBox] = {}
+        self._stored: dict[str, bool] = dict(settings.engine)   # the choice behind a greyed box
+        for sw in engine_switch_fields():
+            box = QCheckBox(sw.metadata["label"])
+            box.setObjectName(f"switch_{sw.name}")
+            self.switches[sw.name] = box
+            f.addRow("", box)
+            box.toggled.connect(lambda on, name=sw.name: self._switch_toggled(name, on))
+        self.split_k_note = QLabel(caps.get("split_k_note") or "")
+        self.split_k_note.setObjectName("MutedLabel")
+        self.split_k_note.setWordWrap(True)
+        self.split_k_note.setVisible(bool(caps.get("split_k_note")))
+        f.addRow("", self.split_k_note)
+        triton = self._engine_kind.backend == "triton"
+        why = caps.get("reason") or SCOPE_REASON["triton"]
         self.engine_note = QLabel(why if not triton else (f"Triton backend on {caps.get('device_name')}"
                                                             if caps.get("device_name") else "Triton backend"))
         self.engine_note.setObjectName("MutedLabel")
         self.engine_note.setWordWrap(True)
-        f.addRow("Context length", self.context_length)
-        f.addRow("", self.split_k)
-        f.addRow("", self.graph)
-        f.addRow("", self.l2_state)
-        f.addRow("", self.context_ranges)
-        f.addRow("", self.launch_cache)
         f.addRow("", self.engine_note)
         tabs.addTab(engine, "Engine")
+
+        # --- model ---
+        model = QWidget()
+        f = QFormLayout(model)
+        self.model_choice = QComboBox()
+        self.model_choice.setToolTip("The model the app opens: the default one from the Hugging Face "
+                                     "hub, or a folder on disk holding config.json and *.safetensors")
+        self.model_note = QLabel("A different model is loaded when you press OK.")
+        self.model_note.setObjectName("MutedLabel")
+        self.model_note.setWordWrap(True)
+        f.addRow("Model", self.model_choice)
+        f.addRow("", self.model_note)
+        self._fill_models(settings.model, settings.recent_models)
+        self.model_choice.activated.connect(self._model_activated)
+        tabs.addTab(model, "Model")
 
         # --- appearance ---
         appearance = QWidget()
@@ -161,6 +198,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(tabs)
         layout.addWidget(buttons)
         self.tabs = tabs
+        self.buttons = buttons
         self.load(settings)
 
     def load(self, s: ChatSettings) -> None:
@@ -174,11 +212,10 @@ class SettingsDialog(QDialog):
             self.context_length.setCurrentIndex(i)
         else:
             self.context_length.setEditText(str(int(s.context_length)))
-        self.split_k.setChecked(s.split_k)
-        self.graph.setChecked(s.graph)
-        self.l2_state.setChecked(s.l2_state)
-        self.context_ranges.setChecked(s.context_ranges)
-        self.launch_cache.setChecked(s.launch_cache)
+        self._stored = dict(s.engine)
+        for name, box in self.switches.items():
+            box.setChecked(s.switch(name))
+        self._update_scopes()
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
 
     def _load_sampling(self, p: SamplingParams) -> None:
@@ -192,6 +229,97 @@ class SettingsDialog(QDialog):
     def reset_sampling(self) -> None:
         self._load_sampling(self._defaults)
 
+    def _sampling_values(self) -> SamplingParams:
+        temperature = round(self.temperature.value(), 4)
+        return replace(self._original.sampling, temperature=temperature,
+                       top_k=int(self.top_k.value()), top_p=round(self.top_p.value(), 4),
+                       min_p=round(self.min_p.value(), 4),
+                       presence_penalty=round(self.presence_penalty.value(), 4),
+                       repetition_penalty=round(self.repetition_penalty.value(), 4),
+                       greedy=temperature <= 0.0, seed=None)
+
+    def _check_sampling(self, *_) -> bool:
+        """SamplingParams.validate() on the fields: its sentence under them, OK off meanwhile."""
+        try:
+            self._sampling_values().validate()
+            message = ""
+        except OptionError as e:
+            message = sampling_sentence(e)
+        self.sampling_error.setText(message)
+        self.sampling_error.setVisible(bool(message))
+        ok = getattr(self, "buttons", None)
+        if ok is not None:
+            ok.button(QDialogButtonBox.StandardButton.Ok).setEnabled(not message)
+        return not message
+
+    # ---- engine switches
+    def _options_now(self) -> EngineOptions:
+        graph = self.switches["graph"].isChecked() if "graph" in self.switches else True
+        return replace(self._engine_kind, graph=graph)
+
+    def _switch_toggled(self, name: str, on: bool) -> None:
+        if self.switches[name].isEnabled():
+            self._stored[name] = on
+        if name == "graph":
+            self._update_scopes()
+
+    def _update_scopes(self) -> None:
+        """Grey out (unchecked, with the reason) each switch outside the engine's scope."""
+        options = self._options_now()
+        device = self._caps.get("device_name") or ""
+        for f in engine_switch_fields():
+            box = self.switches[f.name]
+            applies = options.applies(f.name)
+            box.blockSignals(True)
+            box.setEnabled(applies)
+            box.setChecked(bool(self._stored.get(f.name, f.default)) if applies else False)
+            box.blockSignals(False)
+            if applies:
+                tip = switch_tooltip(f, device)
+                if f.name == "split_k" and self._caps.get("split_k_note"):
+                    tip += f" {self._caps['split_k_note']}."
+            else:
+                tip = f"Not applicable: {SCOPE_REASON[f.metadata['scope']]}."
+            box.setToolTip(tip)
+
+    # ---- model
+    def _fill_models(self, current: str, recent: list[str]) -> None:
+        self.model_choice.clear()
+        self.model_choice.addItem(DEFAULT_MODEL_LABEL, "")
+        for folder in dict.fromkeys(([current] if current else []) + list(recent)):
+            self.model_choice.addItem(folder, folder)
+        self.model_choice.addItem("Choose a folder\u2026", CHOOSE_FOLDER)
+        self.model_choice.setCurrentIndex(max(0, self.model_choice.findData(current)))
+        self._model_index = self.model_choice.currentIndex()
+
+    def ask_folder(self) -> str:
+        """The folder dialog (tests replace it)."""
+        return QFileDialog.getExistingDirectory(self, "Folder with the model's files")
+
+    def _model_activated(self, index: int) -> None:
+        if self.model_choice.itemData(index) != CHOOSE_FOLDER:
+            self._model_index = index
+            self.model_note.setText("A different model is loaded when you press OK.")
+            return
+        folder = self.ask_folder()
+        if folder and not (Path(folder) / "config.json").is_file():
+            self.model_note.setText(f"{folder} is not a model folder: it has no config.json.")
+            folder = ""
+        if not folder:
+            self.model_choice.setCurrentIndex(self._model_index)
+            return
+        i = self.model_choice.findData(folder)
+        if i < 0:
+            self.model_choice.insertItem(1, folder, folder)
+            i = 1
+        self.model_choice.setCurrentIndex(i)
+        self._model_index = i
+        self.model_note.setText("A different model is loaded when you press OK.")
+
+    def chosen_model(self) -> str:
+        data = self.model_choice.currentData()
+        return "" if data in (None, CHOOSE_FOLDER) else str(data)
+
     def _context(self) -> int:
         text = self.context_length.currentText().strip()
         try:
@@ -201,25 +329,18 @@ class SettingsDialog(QDialog):
 
     def settings(self) -> ChatSettings:
         """The edited settings (the dialog's fields as a ChatSettings)."""
-        temperature = round(self.temperature.value(), 4)
-        sampling = replace(self._original.sampling, temperature=temperature,
-                           top_k=int(self.top_k.value()), top_p=round(self.top_p.value(), 4),
-                           min_p=round(self.min_p.value(), 4),
-                           presence_penalty=round(self.presence_penalty.value(), 4),
-                           repetition_penalty=round(self.repetition_penalty.value(), 4),
-                           greedy=temperature <= 0.0, seed=None)
         seed = self.seed.text().strip()
+        model = self.chosen_model()
+        recent = list(dict.fromkeys(([model] if model else []) + list(self._original.recent_models)))
         return ChatSettings(
             system_prompt=self.system_prompt.toPlainText(),
-            sampling=sampling,
+            sampling=self._sampling_values(),
             max_new_tokens=int(self.max_new_tokens.value()),
             seed=int(seed) if seed else None,
             context_length=self._context(),
             thinking=self.thinking.isChecked(),
-            split_k=self.split_k.isChecked(),
-            graph=self.graph.isChecked(),
-            l2_state=self.l2_state.isChecked(),
-            context_ranges=self.context_ranges.isChecked(),
-            launch_cache=self.launch_cache.isChecked(),
+            engine={f.name: bool(self._stored.get(f.name, f.default)) for f in engine_switch_fields()},
             theme=self.theme.currentData() or "system",
+            model=model,
+            recent_models=recent,
         )

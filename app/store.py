@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 from tritonchat.engine.errors import TritonChatError
 
+from .stats_text import stats_line
+
 ROLES = ("system", "user", "assistant")
 DEFAULT_TITLE = "New chat"
 EXPORT_FORMAT = "tritonchat-chat-v1"
@@ -48,6 +50,14 @@ class Message:
     thinking: str       # the model's <think> text, kept apart from the answer
     stats: dict | None  # GenerationStats + engine flags of the run that wrote it
     created_at: float
+    parent_id: int | None = None   # the message it answers or follows (None: the first turn)
+    variant: int = 1               # 1-based place among the messages with the same parent
+    variants: int = 1              # how many there are (regenerated answers, edited prompts)
+    streaming: bool = False        # written while it streams; still set after a crash
+
+    @property
+    def interrupted(self) -> bool:
+        return (self.stats or {}).get("stop_reason") == "interrupted"
 
 
 # --- schema -----------------------------------------------------------------------------------
@@ -83,9 +93,32 @@ def _v2_thinking_stats_index(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX conversations_by_update ON conversations(updated_at)")
 
 
+def _v3_variants_drafts(db: sqlite3.Connection) -> None:
+    # A conversation is a tree: regenerating an answer or editing a prompt adds a sibling (a
+    # variant) instead of deleting the old one; `selected` marks the variant shown, and the
+    # conversation is the path of selected messages from the first turn.  No foreign key on
+    # parent_id: a cascade down a long chain would hit SQLite's trigger depth limit.
+    db.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER")
+    db.execute("ALTER TABLE messages ADD COLUMN selected INTEGER NOT NULL DEFAULT 1")
+    # 1 while an answer streams; a row still at 1 when the app starts again was cut off by a crash
+    db.execute("ALTER TABLE messages ADD COLUMN streaming INTEGER NOT NULL DEFAULT 0")
+    db.execute("UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p"
+               " WHERE p.conv_id = messages.conv_id AND p.id < messages.id)")
+    # an answer without stats was never finished (v2 wrote stats at the end of every run)
+    db.execute("UPDATE messages SET streaming = 1 WHERE role = 'assistant' AND stats IS NULL")
+    # the text typed but not sent, per conversation (conv_id 0: the new chat not yet created)
+    db.execute("""
+        CREATE TABLE drafts (
+            conv_id    INTEGER PRIMARY KEY,
+            text       TEXT NOT NULL,
+            updated_at REAL NOT NULL
+        )""")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _v1_base,
     _v2_thinking_stats_index,
+    _v3_variants_drafts,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -189,11 +222,32 @@ class ChatStore:
                             updated_at=row["updated_at"])
 
     @staticmethod
-    def _message(row: sqlite3.Row) -> Message:
+    def _message(row: sqlite3.Row, variant: int = 1, variants: int = 1) -> Message:
         stats = json.loads(row["stats"]) if row["stats"] is not None else None
         return Message(id=row["id"], conv_id=row["conv_id"], role=row["role"],
                        content=row["content"], thinking=row["thinking"], stats=stats,
-                       created_at=row["created_at"])
+                       created_at=row["created_at"], parent_id=row["parent_id"],
+                       variant=variant, variants=variants, streaming=bool(row["streaming"]))
+
+    def _tree(self, conv_id: int) -> dict[int | None, list[sqlite3.Row]]:
+        """parent id -> its children in the order they were written."""
+        children: dict[int | None, list[sqlite3.Row]] = {}
+        for r in self._db.execute("SELECT * FROM messages WHERE conv_id = ? ORDER BY id", (conv_id,)):
+            children.setdefault(r["parent_id"], []).append(r)
+        return children
+
+    def _path(self, children: dict, start: int | None = None) -> list[Message]:
+        """The selected messages from `start`'s children down (the newest when none is marked)."""
+        out: list[Message] = []
+        parent = start
+        seen = set()
+        while children.get(parent) and parent not in seen:
+            seen.add(parent)
+            kids = children[parent]
+            pick = next((i for i in range(len(kids) - 1, -1, -1) if kids[i]["selected"]), len(kids) - 1)
+            out.append(self._message(kids[pick], pick + 1, len(kids)))
+            parent = kids[pick]["id"]
+        return out
 
     # --- conversations ----------------------------------------------------------------------
 
@@ -230,6 +284,7 @@ class ChatStore:
         """Delete the conversation and its messages for good (a missing id is not an error)."""
         with self._tx() as db:
             db.execute("DELETE FROM messages WHERE conv_id = ?", (conv_id,))
+            db.execute("DELETE FROM drafts WHERE conv_id = ?", (conv_id,))
             db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
         self._checkpoint()
 
@@ -242,12 +297,34 @@ class ChatStore:
     # --- messages ---------------------------------------------------------------------------
 
     def messages(self, conv_id: int) -> list[Message]:
-        rows = self._db.execute("SELECT * FROM messages WHERE conv_id = ? ORDER BY id",
-                                (conv_id,)).fetchall()
-        return [self._message(r) for r in rows]
+        """The conversation as shown: the selected variant of each turn, first turn first."""
+        return self._path(self._tree(conv_id))
+
+    def get_message(self, msg_id: int) -> Message:
+        row = self._db.execute("SELECT * FROM messages WHERE id = ?", (msg_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no message {msg_id}")
+        ids = self.variant_ids(msg_id)
+        return self._message(row, ids.index(msg_id) + 1, len(ids))
+
+    def variant_ids(self, msg_id: int) -> list[int]:
+        """The ids of msg_id and its siblings (the same parent), oldest first."""
+        row = self._db.execute("SELECT conv_id, parent_id FROM messages WHERE id = ?",
+                               (msg_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no message {msg_id}")
+        return [r[0] for r in self._db.execute(
+            "SELECT id FROM messages WHERE conv_id = ? AND parent_id IS ? ORDER BY id",
+            (row["conv_id"], row["parent_id"]))]
+
+    _LAST = object()     # add_message's default parent: the last message shown
 
     def add_message(self, conv_id: int, role: str, content: str = "", thinking: str = "",
-                    stats: dict | None = None) -> int:
+                    stats: dict | None = None, *, parent_id: Any = _LAST,
+                    streaming: bool = False) -> int:
+        """Append a message (or, with parent_id, add a variant under that parent); it becomes
+        the selected one among its siblings.  streaming=True marks an answer still being written:
+        the update that brings its stats ends that."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         now = time.time()
@@ -256,15 +333,32 @@ class ChatStore:
                              (now, conv_id))
             if cur.rowcount == 0:
                 raise KeyError(f"no conversation {conv_id}")
+            if parent_id is self._LAST:
+                path = self.messages(conv_id)
+                parent_id = path[-1].id if path else None
+            db.execute("UPDATE messages SET selected = 0 WHERE conv_id = ? AND parent_id IS ?",
+                       (conv_id, parent_id))
             cur = db.execute(
-                "INSERT INTO messages (conv_id, role, content, thinking, stats, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (conv_id, role, content, thinking, self._stats_json(stats), now))
+                "INSERT INTO messages (conv_id, role, content, thinking, stats, created_at,"
+                " parent_id, selected, streaming) VALUES (?, ?, ?, ?, ?, ?, ?, 1, ?)",
+                (conv_id, role, content, thinking, self._stats_json(stats), now, parent_id,
+                 int(streaming)))
         return int(cur.lastrowid)
+
+    def select_variant(self, msg_id: int) -> None:
+        """Show msg_id instead of its siblings (and, below it, the branch it leads to)."""
+        with self._tx() as db:
+            row = db.execute("SELECT conv_id, parent_id FROM messages WHERE id = ?",
+                             (msg_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no message {msg_id}")
+            db.execute("UPDATE messages SET selected = (id = ?) WHERE conv_id = ? AND parent_id IS ?",
+                       (msg_id, row["conv_id"], row["parent_id"]))
 
     def update_message(self, msg_id: int, *, content: str | None = None,
                        thinking: str | None = None, stats: dict | None = None) -> None:
-        """Replace the given fields (None leaves a field as it is); committed before returning."""
+        """Replace the given fields (None leaves a field as it is); committed before returning.
+        Stats end a streaming answer."""
         sets: list[str] = []
         args: list[Any] = []
         if content is not None:
@@ -274,8 +368,10 @@ class ChatStore:
             sets.append("thinking = ?")
             args.append(thinking)
         if stats is not None:
+            # a run's stats come when it ends: the answer is no longer streaming
             sets.append("stats = ?")
             args.append(self._stats_json(stats))
+            sets.append("streaming = 0")
         with self._tx() as db:
             if sets:
                 found = db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?",
@@ -287,47 +383,158 @@ class ChatStore:
                 raise KeyError(f"no message {msg_id}")
 
     def delete_message(self, msg_id: int) -> None:
+        """Delete one message; its replies move up to its parent (nothing else is lost)."""
         with self._tx() as db:
-            db.execute("DELETE FROM messages WHERE id = ?", (msg_id,))
+            row = db.execute("SELECT parent_id FROM messages WHERE id = ?", (msg_id,)).fetchone()
+            if row is not None:
+                db.execute("UPDATE messages SET parent_id = ? WHERE parent_id = ?",
+                           (row["parent_id"], msg_id))
+                self._delete_rows(db, [msg_id])
         self._checkpoint()
 
     def delete_messages_from(self, conv_id: int, msg_id: int) -> None:
-        """Delete ``msg_id`` and every later message of the conversation (edit-and-resend)."""
+        """Delete ``msg_id`` and everything that follows it on its branch (its replies, theirs,
+        ...); another variant of it, if any, is shown instead."""
         with self._tx() as db:
-            db.execute("DELETE FROM messages WHERE conv_id = ? AND id >= ?", (conv_id, msg_id))
+            self._delete_branch(db, conv_id, msg_id)
         self._checkpoint()
+
+    @staticmethod
+    def _delete_rows(db: sqlite3.Connection, ids: list[int]) -> None:
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+
+    def _delete_branch(self, db: sqlite3.Connection, conv_id: int, msg_id: int) -> None:
+        row = db.execute("SELECT parent_id, selected FROM messages WHERE id = ? AND conv_id = ?",
+                         (msg_id, conv_id)).fetchone()
+        if row is None:
+            return
+        ids = [r[0] for r in db.execute(
+            "WITH RECURSIVE sub(id) AS (SELECT ?"
+            " UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id)"
+            " SELECT id FROM sub", (msg_id,))]
+        self._delete_rows(db, ids)
+        if row["selected"]:       # show the newest variant left
+            db.execute("UPDATE messages SET selected = 1 WHERE id = (SELECT MAX(id) FROM messages"
+                       " WHERE conv_id = ? AND parent_id IS ?)", (conv_id, row["parent_id"]))
+
+    def recover_interrupted(self) -> list[int]:
+        """At start: answers still marked streaming were cut off by a crash.  One with no text
+        is deleted (it must not reach the model as an empty turn); the others keep their text
+        and get the stop reason "interrupted".  Returns the ids of the answers kept."""
+        kept: list[int] = []
+        with self._tx() as db:
+            rows = db.execute("SELECT id, conv_id, content, thinking, stats FROM messages"
+                              " WHERE streaming = 1 ORDER BY id").fetchall()
+            for r in rows:
+                if not r["content"].strip() and not r["thinking"].strip():
+                    self._delete_branch(db, r["conv_id"], r["id"])
+                    continue
+                stats = json.loads(r["stats"]) if r["stats"] else {}
+                stats["stop_reason"] = "interrupted"
+                db.execute("UPDATE messages SET streaming = 0, stats = ? WHERE id = ?",
+                           (self._stats_json(stats), r["id"]))
+                kept.append(int(r["id"]))
+        if rows:
+            self._checkpoint()
+        return kept
+
+    # --- drafts -----------------------------------------------------------------------------
+
+    def draft(self, conv_id: int | None) -> str:
+        """The text typed but not sent in this conversation (None: the new chat)."""
+        row = self._db.execute("SELECT text FROM drafts WHERE conv_id = ?",
+                               (conv_id or 0,)).fetchone()
+        return row[0] if row is not None else ""
+
+    def set_draft(self, conv_id: int | None, text: str) -> None:
+        with self._tx() as db:
+            if text:
+                db.execute("INSERT INTO drafts (conv_id, text, updated_at) VALUES (?, ?, ?)"
+                           " ON CONFLICT(conv_id) DO UPDATE SET text = excluded.text,"
+                           " updated_at = excluded.updated_at", (conv_id or 0, text, time.time()))
+            else:
+                db.execute("DELETE FROM drafts WHERE conv_id = ?", (conv_id or 0,))
 
     # --- export -----------------------------------------------------------------------------
 
     def export_json(self, conv_id: int) -> dict:
+        """The conversation as shown in "messages"; a turn with variants lists them all in
+        "variants" (the shown one has "selected": true), each other variant with the turns
+        that followed it on its branch in "messages" -- nothing of the tree is left out."""
         conv = self.get_conversation(conv_id)
+        children = self._tree(conv_id)
+
+        def one(m: Message) -> dict:
+            d = {"role": m.role, "content": m.content, "thinking": m.thinking,
+                 "stats": m.stats, "created_at": m.created_at}
+            if m.interrupted:
+                d["interrupted"] = True
+            return d
+
+        def branch(path: list[Message]) -> list[dict]:
+            out = []
+            for m in path:
+                d = one(m)
+                if m.variants > 1:
+                    d["variant"] = m.variant          # 1-based place of the shown one in "variants"
+                    alts = []
+                    for i, row in enumerate(children[m.parent_id]):
+                        if row["id"] == m.id:
+                            alts.append({**one(m), "selected": True})
+                            continue
+                        alt = self._message(row, i + 1, m.variants)
+                        alts.append({**one(alt), "selected": False,
+                                     "messages": branch(self._path(children, alt.id))})
+                    d["variants"] = alts
+                out.append(d)
+            return out
+
         return {
             "format": EXPORT_FORMAT,
             "title": conv.title,
             "created_at": conv.created_at,
-            "messages": [
-                {"role": m.role, "content": m.content, "thinking": m.thinking,
-                 "stats": m.stats, "created_at": m.created_at}
-                for m in self.messages(conv_id)
-            ],
+            "messages": branch(self._path(children)),
         }
 
     def export_markdown(self, conv_id: int) -> str:
         conv = self.get_conversation(conv_id)
         created = datetime.fromtimestamp(conv.created_at).strftime("%Y-%m-%d %H:%M")
         parts = [f"# {conv.title}", f"*Chat started {created}; exported from tritonchat.*"]
-        for m in self.messages(conv_id):
-            parts.append(f"## {m.role.capitalize()}")
+        children = self._tree(conv_id)
+
+        def body(m: Message) -> list[str]:
+            out = []
             if m.thinking:
                 # Blank lines around the body let Markdown render inside the HTML block; a
                 # literal closing tag in the thought would end the block early.
-                body = m.thinking.strip().replace("</details>", "&lt;/details&gt;")
-                parts.append(f"<details>\n<summary>Thinking</summary>\n\n{body}\n\n</details>")
+                text = _escape_details(m.thinking.strip())
+                out.append(f"<details>\n<summary>Thinking</summary>\n\n{text}\n\n</details>")
             if m.content:
-                parts.append(m.content.strip())
+                out.append(m.content.strip())
             line = stats_line(m.stats)
             if line:
-                parts.append(f"*{line}*")
+                out.append(f"*{line}*")
+            return out
+
+        for m in self._path(children):
+            head = f"## {m.role.capitalize()}"
+            if m.variants > 1:
+                head += f" (variant {m.variant} of {m.variants}, selected)"
+            parts.append(head)
+            parts += body(m)
+            if m.variants > 1:
+                for i, row in enumerate(children[m.parent_id]):
+                    if row["id"] == m.id:
+                        continue
+                    alt = self._message(row, i + 1, m.variants)
+                    later = len(self._path(children, alt.id))
+                    note = f" ({later} later message{'s' if later != 1 else ''} on its branch: " \
+                           "see the JSON export)" if later else ""
+                    inner = "\n\n".join(_escape_details(p) for p in body(alt)) or "*(empty)*"
+                    parts.append(f"<details>\n<summary>Variant {i + 1} of {m.variants}{note}"
+                                 f"</summary>\n\n{inner}\n\n</details>")
         return "\n\n".join(parts) + "\n"
 
     def close(self) -> None:
@@ -346,35 +553,6 @@ class ChatStore:
         self.close()
 
 
-def stats_line(stats: dict | None) -> str:
-    """One line summarising a run: speeds, tokens, stop reason and the engine flags it ran with.
 
-    Accepts GenerationResult.to_dict()-style flat dicts and {"...stats", "engine": {...}} nests.
-    """
-    if not stats:
-        return ""
-    flat = dict(stats)
-    if isinstance(flat.get("engine"), dict):
-        flat = {**flat.pop("engine"), **flat}
-    items: list[str] = []
-    if flat.get("ttft_ms") is not None:
-        items.append(f"TTFT {float(flat['ttft_ms']):.0f} ms")
-    if flat.get("prefill_tok_s"):
-        items.append(f"prefill {float(flat['prefill_tok_s']):.0f} tok/s")
-    if flat.get("decode_tok_s"):
-        items.append(f"decode {float(flat['decode_tok_s']):.1f} tok/s")
-    if flat.get("new_tokens") is not None:
-        items.append(f"{int(flat['new_tokens'])} tokens")
-    if flat.get("stop_reason"):
-        items.append(f"stop: {flat['stop_reason']}")
-    if flat.get("backend"):
-        items.append(str(flat["backend"]))
-    # the switches act on the Triton backend only (the reference one reports its options unused)
-    if flat.get("backend") in (None, "triton"):
-        for key, name in (("split_k", "split-K"), ("graph", "CUDA Graph"), ("l2_state", "L2 states"),
-                          ("context_ranges", "context ranges")):
-            if key in flat:
-                items.append(f"{name} {'on' if flat[key] else 'off'}")
-        if "launch_cache" in flat and flat.get("graph") is False:    # it acts only without the graph
-            items.append(f"launch cache {'on' if flat['launch_cache'] else 'off'}")
-    return " · ".join(items)
+def _escape_details(text: str) -> str:
+    return text.replace("</details>", "&lt;/details&gt;")

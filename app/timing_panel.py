@@ -1,4 +1,5 @@
-"""The timing panel (a dock, closed by default): live tokens/s and the per-kernel table.
+"""The timing panel (the right pane of the window's splitter, closed by default): live tokens/s
+and the per-kernel table.
 
 Opening it turns engine timing on, closing turns it off (the main window wires that to
 configure(timing=...)). The tok/s plot comes from on_stats, which every backend reports; the
@@ -10,8 +11,8 @@ from . import refcount_guard  # noqa: F401  (first: PySide6 refcount bug on Pyth
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QDockWidget, QHeaderView, QLabel, QSplitter,
+from PySide6.QtGui import QAction, QColor
+from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QSplitter,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from .theme import Colors
@@ -115,12 +116,23 @@ class _RateAxis(pg.AxisItem):
         return [rate_tick(v * scale) for v in values]
 
 
-class TimingPanel(QDockWidget):
+MIN_WIDTH = 240
+
+
+class TimingPanel(QWidget):
     def __init__(self, colors: Colors, parent: QWidget | None = None):
-        super().__init__("Timing", parent)
+        super().__init__(parent)
         self.setObjectName("TimingPanel")
-        self.setAllowedAreas(Qt.DockWidgetArea.RightDockWidgetArea | Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.setMinimumWidth(MIN_WIDTH)
+        # checked while the panel is shown (the View menu, Ctrl+T and the header button use it)
+        self._toggle = QAction("Timing", self)
+        self._toggle.setCheckable(True)
+        self._toggle.toggled.connect(self.setVisible)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
         body = QWidget(self)
+        outer.addWidget(body)
+        self._body = body
         layout = QVBoxLayout(body)
         layout.setContentsMargins(8, 4, 8, 8)
         layout.setSpacing(6)
@@ -185,6 +197,11 @@ class TimingPanel(QDockWidget):
         self.memory = QLabel(body)
         self.memory.setObjectName("MutedLabel")
 
+        self.split_k_note = QLabel(body)        # split-K changes nothing on this GPU
+        self.split_k_note.setObjectName("MutedLabel")
+        self.split_k_note.setWordWrap(True)
+        self.split_k_note.hide()
+
         self.split = split = QSplitter(Qt.Orientation.Vertical, body)
         split.addWidget(self.plot)
         split.addWidget(self.table)
@@ -195,8 +212,8 @@ class TimingPanel(QDockWidget):
         layout.addWidget(split, 1)
         layout.addWidget(self.kernel_sum)
         layout.addWidget(self.plan_range)
+        layout.addWidget(self.split_k_note)
         layout.addWidget(self.memory)
-        self.setWidget(body)
 
         self.xs: list[float] = []
         self.ys: list[float] = []
@@ -207,8 +224,17 @@ class TimingPanel(QDockWidget):
         self.set_colors(colors)
 
     # ---------------------------------------------------------------- state
+    def widget(self) -> QWidget:
+        return self._body
+
+    def toggleViewAction(self) -> QAction:     # noqa: N802  (the name QDockWidget used)
+        return self._toggle
+
     def set_capabilities(self, capabilities: dict) -> None:
         self.triton = bool(capabilities.get("triton"))
+        note = str(capabilities.get("split_k_note") or "") if self.triton else ""
+        self.split_k_note.setText(note)
+        self.split_k_note.setVisible(bool(note))
         if self.triton:
             self.note.hide()
         else:
@@ -367,8 +393,14 @@ class TimingPanel(QDockWidget):
         self.plot.setYRange(0.0, top * 1.15, padding=0)
         self.plot.setXRange(0.0, max(self.xs[-1] if self.xs else 1.0, 1.0) * 1.05, padding=0)
 
+    def hideEvent(self, event) -> None:
+        super().hideEvent(event)
+        if self.isHidden():                 # hidden itself, not with its window
+            self._toggle.setChecked(False)
+
     def showEvent(self, event) -> None:
         super().showEvent(event)
+        self._toggle.setChecked(True)
         self._redraw_curve()
         if self.kernels:
             self._draw_bars()

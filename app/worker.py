@@ -57,6 +57,22 @@ def error_kind(exc: BaseException) -> str:
     return name
 
 
+def split_k_note(session) -> str:
+    """The engine's word on split-K where the tuned plan splits no shape on this GPU (then on and
+    off run the same step): the session's or backend's `split_k_note`, else from a
+    `split_k_effective` flag; empty while split-K changes something (or nobody says)."""
+    for obj in (session, getattr(session, "backend", None)):
+        if obj is None:
+            continue
+        note = getattr(obj, "split_k_note", "")
+        if isinstance(note, str) and note:
+            return note
+        effective = getattr(obj, "split_k_effective", None)
+        if effective is False:
+            return "split-K: no shape splits on this GPU"
+    return ""
+
+
 def _default_loader(model_dir: str, options: EngineOptions, progress) -> Any:
     from tritonchat.engine.session import ChatSession
 
@@ -95,11 +111,9 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ load
     @Slot(str, object)
     def load(self, model_dir: str, settings: dict) -> None:
-        """settings: {"max_context", "split_k", "graph", "l2_state", "context_ranges",
-        "launch_cache", "timing"}
-        from the app's
-        preferences;
-        backend/device/dtype come from what the machine has (or settings' "backend"/"device")."""
+        """settings: "max_context" and any switch of EngineOptions (options.switch_fields, e.g.
+        "split_k", "graph", "timing") from the app's preferences; backend/device/dtype come from
+        what the machine has (or settings' "backend"/"device"/"dtype")."""
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -107,8 +121,7 @@ class EngineWorker(QObject):
         try:
             options = default_options(**{k: settings[k] for k in ("backend", "device", "dtype")
                                          if settings.get(k)})
-            for key in ("max_context", "split_k", "graph", "l2_state", "context_ranges",
-                        "launch_cache", "timing"):
+            for key in ["max_context"] + [f.name for f in switch_fields()]:
                 if settings.get(key) is not None:
                     setattr(options, key, settings[key])
         except Exception as exc:   # engine import failed: same path as a failed load
@@ -136,8 +149,12 @@ class EngineWorker(QObject):
 
     def _info(self, model_dir: str) -> dict:
         s = self.session
+        caps = dict(s.capabilities())
+        caps.setdefault("backend", s.options.backend)
+        caps.setdefault("device", s.options.device)
+        caps.setdefault("split_k_note", split_k_note(s))
         return {"model_dir": model_dir, "options": s.options.to_dict(),
-                "capabilities": dict(s.capabilities()),
+                "capabilities": caps,
                 "generation_defaults": s.generation_defaults.to_dict()}
 
     # ------------------------------------------------------------------ generate

@@ -1,5 +1,5 @@
-"""`tritonchat` command line: generate, chat and bench (app/launcher.py adds the app and
-install-desktop, so the engine never imports the app).
+"""`tritonchat` command line: generate, chat, bench, verify and make-tiny (app/launcher.py adds
+the app and install-desktop, so the engine never imports the app).
 
 Bad input gets one sentence on stderr and exit code 2 (--debug shows the traceback).
 """
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tritonchat", description="Chat with Qwen3.5-0.8B on hand-written Triton kernels; with no sub-command the desktop app opens.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     ap.add_argument("--model", dest="app_model", default=None, help="(app) model folder or hub id")
+    ap.add_argument("--demo", action="store_true",
+                    help="(app) open the app on a tiny random-weight model: no GPU, no download")
     sub = ap.add_subparsers(dest="command")
 
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -106,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
     b.add_argument("--json", action="store_true")
     b.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    v = sub.add_parser("verify", help="hash every model file against its download record; check every tensor")
+    v.add_argument("--model", default=None, help="model folder or hub id (default Qwen/Qwen3.5-0.8B)")
+    v.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random-weight Qwen3.5 model (try the app with no "
+                                         "GPU and no download: tritonchat --model DIR)")
+    t.add_argument("dir", help="a new or empty folder")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     d = sub.add_parser("install-desktop", help="install the .desktop file and icons for this user")
     d.add_argument("--uninstall", action="store_true")
@@ -214,6 +226,7 @@ def cmd_chat(args) -> int:
     params = _sampling(args, session.generation_defaults)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", file=sys.stderr)
+    _tolerant_stdin()
     while True:
         try:
             line = input("\n> ")
@@ -223,8 +236,12 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:
             print()
             return 0
+        except UnicodeDecodeError:  # a strict terminal encoding and bytes that are not UTF-8
+            print("That line is not valid UTF-8 text, so it was not sent; type it again.", file=sys.stderr)
+            continue
         if not line.strip():
             continue
+        line = _repaired_line(line)
         if line.strip() == "/quit":
             return 0
         if line.strip() == "/reset":
@@ -273,12 +290,96 @@ def cmd_chat(args) -> int:
         messages.append(msg)
 
 
+def _tolerant_stdin() -> None:
+    """Bytes that are not UTF-8 arrive as lone surrogates instead of ending input() with an error
+    (a strict terminal encoding would also throw away the rest of a piped input)."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):
+            pass
+
+
+def _repaired_line(line: str) -> str:
+    from .tokenizer import repair_text
+    fixed = repair_text(line)
+    if fixed != line:
+        print("Some characters of that line were not valid UTF-8; they are sent as \ufffd.", file=sys.stderr)
+    return fixed
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bench
     return run_bench(args, engine_options(args))
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+def cmd_verify(args) -> int:
+    """Per file: ok / damaged / unchecked; every tensor checked for NaN/inf. Exit 1 when damaged."""
+    from pathlib import Path
+    from . import hub
+    model = args.model or hub.DEFAULT_MODEL
+    if hub.is_local_dir(model):
+        folder = Path(model).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"The model folder {folder} does not exist.")
+    else:
+        found = hub.local_model_dir(model) or (hub._damaged_snapshot(model, hub.DEFAULT_REVISION) or (None,))[0]
+        if found is None:
+            raise UsageError(f"{model} is not downloaded; run tritonchat once to download it, or pass --model DIR.")
+        folder = found
+    print(f"Checking {folder}")
+    damaged = 0
+    for c in hub.check_snapshot(folder, full=True):
+        label = {"ok": "ok", "damaged": "DAMAGED", "unverified": "unchecked"}[c.status]
+        damaged += c.status == "damaged"
+        print(f"  {label:<9} {c.name}" + (f" ({c.detail})" if c.status != "ok" else ""))
+    damaged += _verify_tensors(folder)
+    if damaged:
+        print(f"{damaged} damaged; download the model again (tritonchat replaces damaged files), "
+              "or replace them by hand.", file=sys.stderr)
+        return 1
+    print("All files are intact.")
+    return 0
+
+
+def _verify_tensors(folder) -> int:
+    from .errors import ModelFilesError
+    from .weights import _open, first_non_finite, weight_files
+    bad = 0
+    try:
+        files = weight_files(folder)
+    except ModelFilesError as e:
+        print(f"  DAMAGED   weights ({e})")
+        return 1
+    for path in files:
+        try:
+            f = _open(path, "cpu")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # a truncated file: safetensors' own errors
+            print(f"  DAMAGED   {path.name}: tensors cannot be read ({str(e).splitlines()[0][:100]})")
+            bad += 1
+            continue
+        floats = {k: t for k, t in tensors.items() if t.is_floating_point()}
+        key = first_non_finite(floats)
+        if key is None:
+            print(f"  ok        {path.name}: {len(floats)} tensors, all finite")
+        else:
+            print(f"  DAMAGED   {path.name}: the tensor '{key}' holds NaN or infinite values")
+            bad += 1
+    return bad
+
+
+def cmd_make_tiny(args) -> int:
+    from .tiny_model import make_tiny_model
+    folder = make_tiny_model(args.dir, seed=args.seed)
+    print(f"Wrote a tiny random-weight Qwen3.5 model to {folder} (its answers are gibberish); "
+          f"open it with: tritonchat --model {folder}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "verify": cmd_verify,
+            "make-tiny": cmd_make_tiny}
 
 
 def _no_app(args) -> int:

@@ -190,9 +190,12 @@ def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
     if text.get("num_experts") or text.get("moe_intermediate_size"):
         raise ModelFilesError(f"{where}: mixture-of-experts Qwen3.5 models are not supported.")
 
-    tie = text.get("tie_word_embeddings")
+    # transformers' Qwen3_5ForConditionalGeneration ties by its own (top-level) config: that value
+    # wins over text_config's. Without one, transformers would use its default (False) and leave
+    # a tied checkpoint's LM head random; text_config's value is the better guess then.
+    tie = tie_top if tie_top is not None else text.get("tie_word_embeddings")
     if tie is None:
-        tie = tie_top if tie_top is not None else False
+        tie = False
 
     cfg = TextConfig(
         hidden_size=int(_require(text, "hidden_size", where)),

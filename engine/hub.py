@@ -53,6 +53,10 @@ from typing import Callable, Optional
 from .errors import DownloadError
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
+# The one place the model revision is pinned. It should be the commit the engine was tested on; no
+# machine here could reach the hub to look that commit up, so it is still the branch main (an
+# unpinned download). Put the 40-hex commit here: downloads, the cache lookup and the GUI all follow.
+DEFAULT_REVISION = "main"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 # What the text model needs, matched against top-level repo paths (fnmatch, case-sensitive).
@@ -65,9 +69,10 @@ TEXT_MODEL_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
-    "vocab.json",
+    "vocab.json",  # only without tokenizer.json (the engine reads tokenizer.json when it is there)
     "merges.txt",
 )
+_SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _ETAG_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # git blob id or sha256: safe as a file name
@@ -133,16 +138,15 @@ def _expand(path: str) -> Path:
 
 
 def model_cache_dir() -> Path:
-    """The hub cache we download into: HF_HUB_CACHE, else HF_HOME/hub, else the user cache dir."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return _expand(os.environ["HF_HUB_CACHE"])
+    """The Hugging Face hub cache, found as huggingface_hub finds it, so that either side reuses the
+    other's downloads: HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return _expand(os.environ[var])
     if os.environ.get("HF_HOME"):
         return _expand(os.environ["HF_HOME"]) / "hub"
-    try:
-        import platformdirs  # lazy: absent on the GPU box, where the fallback below is right anyway
-    except ImportError:
-        return Path.home() / ".cache" / "tritonchat" / "hub"
-    return Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
+    return _huggingface_default_cache()
 
 
 def _huggingface_default_cache() -> Path:
@@ -151,11 +155,22 @@ def _huggingface_default_cache() -> Path:
     return _expand(base) / "huggingface" / "hub"
 
 
+def _legacy_cache() -> Optional[Path]:
+    """Where tritonchat used to download (the platformdirs user cache): still searched, never written."""
+    try:
+        import platformdirs  # lazy: absent on the GPU box
+    except ImportError:
+        return Path.home() / ".cache" / "tritonchat" / "hub"
+    return Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
+
+
 def _search_caches() -> list[Path]:
-    """Our cache first, then huggingface_hub's default one (a model fetched by other tools)."""
+    """The hub cache first, then (no HF_* variable set) tritonchat's old cache folder."""
     caches = [model_cache_dir()]
-    if not (os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME")):
-        caches.append(_huggingface_default_cache())
+    if not any(os.environ.get(v) for v in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")):
+        legacy = _legacy_cache()
+        if legacy is not None and legacy not in caches:
+            caches.append(legacy)
     return caches
 
 
@@ -227,12 +242,31 @@ def _complete_snapshot(repo_dir: Path, revision: str) -> Optional[Path]:
             others = [p for p in snapshots.iterdir() if p.is_dir() and p not in candidates]
             candidates += sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)
     for folder in candidates:
-        if _snapshot_complete(folder):
+        if _snapshot_complete(folder) and not damaged_files(folder):
             return folder
     return None
 
 
-def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None) -> Optional[Path]:
+def _damaged_snapshot(repo_id: str, revision: str) -> Optional[tuple[Path, list[FileCheck]]]:
+    """A complete-looking snapshot whose download record says some files are damaged."""
+    for cache in _search_caches():
+        repo_dir = cache / _repo_folder(repo_id)
+        snapshots = repo_dir / "snapshots"
+        commit = revision if _COMMIT_RE.match(revision) else _read_ref(repo_dir, revision)
+        if commit and _snapshot_complete(snapshots / commit):
+            damaged = damaged_files(snapshots / commit)
+            if damaged:
+                return snapshots / commit, damaged
+    return None
+
+
+def describe_damage(folder: Path, damaged: list[FileCheck]) -> str:
+    first = damaged[0]
+    more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+    return f"{first.name} in {folder} is damaged ({first.detail}){more}"
+
+
+def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None) -> Optional[Path]:
     """The snapshot folder of a complete local copy of repo_id, or None. Never touches the network."""
     caches = [Path(cache_dir)] if cache_dir is not None else _search_caches()
     for cache in caches:
@@ -249,10 +283,41 @@ def local_model_dir(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_
 class _Failed(Exception):
     """A download that cannot go on. reason is a phrase without a period (it goes in parentheses)."""
 
-    def __init__(self, reason: str, details: Optional[str] = None):
+    def __init__(self, reason: str, details: Optional[str] = None, sentence: Optional[str] = None):
         super().__init__(reason)
         self.reason = reason
         self.details = details
+        self.sentence = sentence  # a whole sentence of its own, when "could not download" is the wrong frame
+
+
+_CHOOSE_CACHE = "choose another folder with HF_HUB_CACHE (or HF_HOME), or pass --model DIR with a folder holding the model"
+
+
+def _unwritable(cache: Path, e: OSError) -> _Failed:
+    why = e.strerror or type(e).__name__
+    return _Failed(f"{cache} cannot be written", f"{type(e).__name__}: {e}",
+                   sentence=f"The model cache {cache} cannot be written ({why.lower()}); {_CHOOSE_CACHE}.")
+
+
+def _disk_full(cache: Path, need: int, e: Optional[OSError] = None) -> _Failed:
+    free = _free_bytes(cache)
+    have = f"has {format_size(free)} free but " if free is not None else "is full and "
+    return _Failed(f"the disk holding {cache} is full", str(e) if e else None,
+                   sentence=f"The disk holding {cache} {have}the model needs {format_size(need)} more; "
+                            f"free some space, or {_CHOOSE_CACHE}.")
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+_UNWRITABLE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class _Transient(Exception):
@@ -275,6 +340,8 @@ def _sentence(repo_id: str, reason: str, cache: Path, *, cli: bool) -> str:
 
 
 def _download_error(repo_id: str, failure: _Failed, cache: Path, *, cli: bool) -> DownloadError:
+    if failure.sentence:
+        return DownloadError(failure.sentence, failure.details)
     return DownloadError(_sentence(repo_id, failure.reason, cache, cli=cli), failure.details)
 
 
@@ -537,6 +604,8 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
                 raise _Failed(f"{indexes[0]} names {missing[0]} but the repository has no such file")
             # With an index, the weights are exactly the shards it names (a stray consolidated copy is skipped).
             names = sorted({n for n in names if not n.endswith(".safetensors")} | shards)
+        if "tokenizer.json" in names:
+            names = [n for n in names if n not in _SLOW_TOKENIZER_FILES]
         if "config.json" not in names:
             raise _Failed("the repository has no config.json")
         if not any(n.endswith(".safetensors") for n in names):
@@ -554,7 +623,7 @@ def _plan(repo_id: str, revision: str, cache: Path, policy: RetryPolicy, progres
     return DownloadPlan(repo_id, revision, files, total, have, dest, commit, etags, cache)
 
 
-def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+def plan_download(repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None, *,
                   retry: Optional[RetryPolicy] = None) -> DownloadPlan:
     """Ask the hub what the text model's files are (names, sizes, sha256) and what is already here.
 
@@ -670,16 +739,29 @@ def _lock(cache: Path, repo_id: str, etag: str):
 
 
 def _fetch_file(plan: DownloadPlan, hub: _Hub, name: str, size: int, sha256: Optional[str],
-                policy: RetryPolicy, progress: _Progress) -> None:
+                policy: RetryPolicy, progress: _Progress, stamps: dict) -> None:
     cache = plan.cache_dir or model_cache_dir()
     etag = plan.etags[name]
     blob = _blob_path(cache, plan.repo_id, etag)
     part = blob.with_name(blob.name + ".incomplete")
     pointer = plan.dest / name
     progress.file = name
-    if blob.is_file() and blob.stat().st_size == size:  # published blobs were verified before publishing
-        _link(blob, pointer)
-        return
+    if blob.is_file() and blob.stat().st_size == size:
+        # On disk at the right size: trusted only with our record of it, else hashed once now (a blob
+        # damaged at the same size, or one another tool wrote). A damaged one is fetched again.
+        if _stamp_matches(stamps.get(name), blob, etag):
+            _link(blob, pointer)
+            return
+        progress.event("verify", f"Checking {name}.")
+        problem = _verify(blob, size, sha256, etag)
+        if problem is None:
+            _link(blob, pointer)
+            stamps[name] = _stamp_entry(blob, etag, sha256)
+            return
+        progress.event("retry", f"{name} on disk {problem}; downloading it again.")
+        progress.add(-size)
+        blob.unlink()
+        stamps.pop(name, None)
     blob.parent.mkdir(parents=True, exist_ok=True)
     from filelock import Timeout
 
@@ -693,11 +775,12 @@ def _fetch_file(plan: DownloadPlan, hub: _Hub, name: str, size: int, sha256: Opt
         _fetch_verified(hub, url, name, size, sha256, etag, policy, progress, blob, part)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise _Failed(f"the disk holding {cache} is full", str(e)) from None
+            raise _disk_full(cache, max(0, progress.total - progress.done), e) from None
         raise
     finally:
         lock.release()
     _link(blob, pointer)
+    stamps[name] = _stamp_entry(blob, etag, sha256)
 
 
 def _fetch_verified(hub: _Hub, url: str, name: str, size: int, sha256: Optional[str], etag: str,
@@ -721,15 +804,165 @@ def _fetch_verified(hub: _Hub, url: str, name: str, size: int, sha256: Optional[
 
 def _download(plan: DownloadPlan, policy: RetryPolicy, progress: _Progress) -> Path:
     cache = plan.cache_dir or model_cache_dir()
+    try:
+        return _download_into(plan, policy, progress, cache)
+    except OSError as e:
+        if e.errno in _UNWRITABLE_ERRNOS:
+            raise _unwritable(cache, e) from None
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(cache, max(0, plan.total_bytes - progress.done), e) from None
+        raise
+
+
+def _check_writable(folder: Path) -> None:
+    """OSError now, before any byte is fetched, when folder cannot take new files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".tritonchat-write-test-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def _download_into(plan: DownloadPlan, policy: RetryPolicy, progress: _Progress, cache: Path) -> Path:
+    repo_dir = cache / _repo_folder(plan.repo_id)
+    _check_writable(repo_dir / "blobs")
+    need = max(0, plan.total_bytes - plan.have_bytes)
+    free = _free_bytes(repo_dir)
+    if free is not None and free < need:
+        raise _disk_full(cache, need)
     hub = _Hub(timeout=policy.stall_s)
     progress.total, progress.done = plan.total_bytes, plan.have_bytes
     progress.event("download", f"Downloading {len(plan.files)} files ({format_size(plan.total_bytes)}) to {plan.dest}.")
-    for name, size, sha256 in plan.files:
-        _fetch_file(plan, hub, name, size, sha256, policy, progress)
-    _write_ref(cache / _repo_folder(plan.repo_id), plan.revision, plan.commit)
+    stamps = _read_stamps(plan.dest)
+    try:
+        for name, size, sha256 in plan.files:
+            _fetch_file(plan, hub, name, size, sha256, policy, progress, stamps)
+    finally:
+        _write_stamps(plan.dest, stamps)
+    _write_ref(repo_dir, plan.revision, plan.commit)
     progress.file = ""
     progress.done = progress.total
     return plan.dest
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification records: each file checked against the hub's sha256 / git blob id once, after its
+# download; at load only its size and mtime are compared with the record (cheap). `verify` hashes.
+#
+#     <cache>/models--Qwen--Qwen3.5-0.8B/.tritonchat/verified-<commit>.json
+#         {"files": {"<name>": {"size", "mtime_ns", "etag", "sha256", "verified_at"}}}
+#
+# Beside refs/, blobs/ and snapshots/, where huggingface_hub looks at nothing.
+
+_STAMP_DIR = ".tritonchat"
+
+
+def _stamp_path(snapshot: Path) -> Path:
+    return snapshot.parent.parent / _STAMP_DIR / f"verified-{snapshot.name}.json"
+
+
+def _read_stamps(snapshot: Path) -> dict:
+    try:
+        data = json.loads(_stamp_path(snapshot).read_text(encoding="utf-8"))
+        files = data["files"]
+        return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_stamps(snapshot: Path, stamps: dict) -> None:
+    """Best effort: a read-only cache keeps working, it is only checked in full more often."""
+    path = _stamp_path(snapshot)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"files": stamps}, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _stamp_entry(blob: Path, etag: str, sha256: Optional[str]) -> dict:
+    st = blob.stat()
+    if sha256 is None:  # a small file, checked by its git blob id: its sha256 is cheap
+        sha256 = _hash_file(blob, hashlib.sha256())
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "etag": etag, "sha256": sha256.lower(),
+            "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _stamp_matches(entry: Optional[dict], path: Path, etag: Optional[str] = None) -> bool:
+    if not entry or (etag is not None and entry.get("etag") != etag):
+        return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_size == entry.get("size") and st.st_mtime_ns == entry.get("mtime_ns")
+
+
+@dataclass
+class FileCheck:
+    name: str
+    status: str  # "ok" | "damaged" | "unverified" (no record and no hub id to check against)
+    detail: str = ""
+
+
+def _expected_of(path: Path, entry: Optional[dict]) -> tuple[Optional[int], Optional[str], Optional[str]]:
+    """(size, sha256, git blob id) a file should have: from our record, else from the name of the
+    blob a hub-cache pointer resolves to (huggingface_hub names blobs by their sha256 / blob id)."""
+    if entry:
+        return entry.get("size"), entry.get("sha256"), entry.get("etag") if len(entry.get("etag") or "") == 40 else None
+    target = path.resolve().name if path.is_symlink() else ""
+    if _ETAG_RE.match(target):
+        return None, (target if len(target) == 64 else None), (target if len(target) == 40 else None)
+    return None, None, None
+
+
+def _check_file(folder: Path, name: str, entry: Optional[dict], full: bool) -> FileCheck:
+    path = folder / name
+    if not path.is_file():
+        return FileCheck(name, "damaged", "missing")
+    size, sha256, blob_id = _expected_of(path, entry)
+    actual = path.stat().st_size
+    if size is not None and actual != size:
+        return FileCheck(name, "damaged", f"{actual} bytes instead of {size}")
+    if sha256 is None and blob_id is None:
+        return FileCheck(name, "unverified", "no download record")
+    if not full and _stamp_matches(entry, path):
+        return FileCheck(name, "ok", "size and record match")
+    if sha256 is not None:
+        good = _hash_file(path, hashlib.sha256()) == sha256
+    else:
+        good = _git_blob_id(path) == blob_id
+    return FileCheck(name, "ok", "hash matches") if good else FileCheck(name, "damaged", "its content does not match its hash")
+
+
+def check_snapshot(folder, *, full: bool = False) -> list[FileCheck]:
+    """Every file of a model folder against what it should be.
+
+    full=False (at load): size and mtime against the download record, a hash only for a file whose
+    mtime changed since it was verified. full=True (`tritonchat verify`): every file hashed.
+    Files in a folder with no record and no hub blob names are "unverified".
+    """
+    folder = Path(folder)
+    stamps = _read_stamps(folder)
+    names = sorted(set(stamps) | {p.name for p in folder.iterdir() if p.is_file()}) if folder.is_dir() else []
+    checks = [_check_file(folder, n, stamps.get(n), full) for n in names]
+    refreshed = False
+    for c in checks:  # a file whose mtime moved but whose hash still matches: record that
+        entry = stamps.get(c.name)
+        if c.status == "ok" and entry and c.detail == "hash matches" and not _stamp_matches(entry, folder / c.name):
+            st = (folder / c.name).stat()
+            entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns,
+                         verified_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            refreshed = True
+    if refreshed:
+        _write_stamps(folder, stamps)
+    return checks
+
+
+def damaged_files(folder) -> list[FileCheck]:
+    """The cheap load-time check: the files of folder its download record says are damaged."""
+    return [c for c in check_snapshot(folder) if c.status == "damaged"]
 
 
 def _done(plan: DownloadPlan, progress: _Progress) -> None:
@@ -760,14 +993,20 @@ def resolve_model(model: str, *, offline: bool = False, progress: Optional[Calla
     """
     if is_local_dir(model):
         return Path(model).expanduser()  # existence is the loader's to check, with its own message
-    repo_id, revision = model, "main"
+    repo_id, revision = model, DEFAULT_REVISION
     found = local_model_dir(repo_id, revision)
     if found is not None:
         return found
     cache = model_cache_dir()
     emit = progress or _no_progress
     tracker = _Progress(0, 0, emit)
+    damage = _damaged_snapshot(repo_id, revision)
     try:
+        if damage is not None:
+            if offline or _offline_env():
+                raise _Failed("damaged", sentence=f"{describe_damage(*damage)}; go online to download it again "
+                                                  f"(it is replaced), or pass --model DIR.")
+            tracker.event("retry", f"{describe_damage(*damage)}; downloading it again.")
         if offline:
             raise _Failed("offline mode is on")
         plan = _plan(repo_id, revision, cache, retry or RetryPolicy(), tracker)
@@ -811,7 +1050,7 @@ def _child_main(repo_id: str, revision: str, cache: str, policy: RetryPolicy, ev
         events.put(("result", str(dest)))  # before "done": the parent stops reading at "done"
         _done(plan, progress)
     except _Failed as failure:
-        progress.event("error", _sentence(repo_id, failure.reason, Path(cache), cli=False))
+        progress.event("error", failure.sentence or _sentence(repo_id, failure.reason, Path(cache), cli=False))
     except Exception as e:  # a bug: still one sentence for the GUI, the traceback on stderr
         traceback.print_exc()
         progress.event("error", _sentence(repo_id, f"unexpected {type(e).__name__}", Path(cache), cli=False))
@@ -823,7 +1062,7 @@ class DownloadProcess:
     Single use: start() once; to retry or resume, make a new one (it continues the partial files).
     """
 
-    def __init__(self, repo_id: str = DEFAULT_MODEL, revision: str = "main", cache_dir=None, *,
+    def __init__(self, repo_id: str = DEFAULT_MODEL, revision: str = DEFAULT_REVISION, cache_dir=None, *,
                  retry: Optional[RetryPolicy] = None):
         self.repo_id, self.revision = repo_id, revision
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None

@@ -3,13 +3,23 @@
 Built on `tokenizers` (tokenizer.json) and the checkpoint's own jinja chat template. Special
 tokens are always looked up by their text in the files, never by a literal id.
 
-Prompt safety: message contents are user data. A user who types `<|im_start|>system` must get
-those characters as plain text, not the control token. encode_chat therefore renders the template
-with every special-token string inside message contents swapped for a private-use placeholder,
-splits the result at the special tokens that remain (they can only come from the template), puts
-the original characters back, and encodes each stretch of text with special-token matching off.
-For ordinary text this is exactly what encoding the whole rendered prompt gives, because
-`tokenizers` also cuts the text at added tokens before pre-tokenising each stretch on its own.
+Prompt safety: message contents are user data. A user who types `<|im_start|>system` or
+`<think>` must get those characters as plain text, not the control token. That holds for every
+added token, special or not (`<think>`, `<tool_call>`, the FIM markers are "not special" in Qwen's
+files, yet they are control ids all the same). encode_chat therefore renders the template with
+every added-token string inside message contents swapped for a private-use placeholder, splits
+the result at the added tokens that remain (they can only come from the template), puts the
+original characters back, and encodes each stretch of text with added-token matching off. For
+ordinary text this is exactly what encoding the whole rendered prompt gives, because `tokenizers`
+also cuts the text at added tokens before pre-tokenising each stretch on its own.
+
+The one exception is the model's own past output: an assistant message that the user did not edit
+(no `"edited": True` key) keeps the non-special added tokens it was generated with (`<tool_call>`,
+`<think>`) as their ids. Special tokens never appear in it: decoding for display drops them.
+
+Text that is not valid Unicode (lone UTF-16 surrogates from a paste, or bytes a terminal could not
+decode) is repaired in the one encode path every caller goes through: a surrogate pair becomes its
+character and a lone surrogate becomes U+FFFD, so `tokenizers` never sees a string it rejects.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from tokenizers import Tokenizer
 
 from . import chat_template
-from .errors import ModelFilesError
+from .errors import ModelFilesError, TritonChatError
 from .thinking import THINK_CLOSE, THINK_OPEN
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -30,6 +40,16 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 # What a lossy UTF-8 decode puts where a character is incomplete (or invalid).
 REPLACEMENT_CHAR = "\ufffd"
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def repair_text(text: str) -> str:
+    """text with surrogate pairs joined and lone surrogates replaced by U+FFFD (valid UTF-8)."""
+    if not _SURROGATE_RE.search(text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
 
 # Private-use code points that stand in for special-token text inside message contents while the
 # template renders. _ESCAPE starts every placeholder; it also escapes itself, so any input maps
@@ -127,18 +147,28 @@ class ChatTokenizer:
                  template_source: Optional[str] = None,
                  template_tokens: Optional[Mapping[str, Optional[str]]] = None,
                  source: str = "tokenizer"):
-        # The one tokenizer never matches special tokens in text by itself: encode() and
-        # encode_chat() cut special tokens out first where they are allowed (see the module doc).
+        # The one tokenizer never matches added tokens in text by itself: every added token is
+        # flagged special on this instance (ids unchanged) and special matching is off, so
+        # encode() and encode_chat() cut added tokens out first where they are allowed (see the
+        # module doc). Which tokens the files call "special" is kept for decode(skip_special).
         self._tok = tokenizer
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        plain_added = [tok for tok in added.values() if not tok.special]
+        if plain_added:
+            from tokenizers import AddedToken
+            self._tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip,
+                                                     rstrip=t.rstrip, normalized=t.normalized, special=True)
+                                          for t in plain_added])
         self._tok.encode_special_tokens = True
         self._source = source
         self.generation_config: dict = dict(generation_config or {})
         self._template_source = template_source
         self._template_tokens = dict(template_tokens or {})
 
-        added = tokenizer.get_added_tokens_decoder()
         self._added: dict[str, int] = {tok.content: i for i, tok in added.items()}
-        self._special_texts = [tok.content for _, tok in sorted(added.items()) if tok.special]
+        self._added_texts = [tok.content for _, tok in sorted(added.items())]
+        self._special_texts = [tok.content for i, tok in sorted(added.items()) if tok.special]
         # Ids run 0..n-1 over the model vocab, then the added tokens (get_vocab() would build a
         # 248k-entry dict just to take its max).
         self.vocab_size: int = max([tokenizer.get_vocab_size(with_added_tokens=True)]
@@ -149,17 +179,19 @@ class ChatTokenizer:
             raise ModelFilesError(f"The end-of-turn token {eos_token!r} named in "
                                   f"{TOKENIZER_CONFIG_FILE} is not in the tokenizer.")
         self.eos_id: int = eos
-        self.stop_ids: list[int] = self._stop_ids_from(self.generation_config, eos)
 
         # Longest first, so that a token that contains another one is matched whole.
-        by_length = sorted(self._special_texts, key=len, reverse=True)
+        by_length = sorted(self._added_texts, key=len, reverse=True)
         self._special_re = (re.compile("(" + "|".join(map(re.escape, by_length)) + ")")
                             if by_length else None)
         self._neutral_re = re.compile("|".join(map(re.escape, [_ESCAPE] + by_length)))
+        special_by_length = sorted(self._special_texts, key=len, reverse=True)
+        self._neutral_special_re = re.compile("|".join(map(re.escape, [_ESCAPE] + special_by_length)))
         self._neutral_of = {text: _ESCAPE + chr(_FIRST_CODE + k)
-                            for k, text in enumerate([_ESCAPE] + self._special_texts)}
+                            for k, text in enumerate([_ESCAPE] + self._added_texts)}
         self._restore_of = {v[1]: k for k, v in self._neutral_of.items()}
         self._restore_re = re.compile(re.escape(_ESCAPE) + "(.)", re.DOTALL)
+        self.stop_ids: list[int] = self._stop_ids_from(self.generation_config, eos)
         self._opens_thinking: dict[bool, bool] = {}
 
     # ------------------------------------------------------------------ loading
@@ -215,14 +247,33 @@ class ChatTokenizer:
         return list(values)
 
     def _stop_ids_from(self, generation_config: Mapping, eos_id: int) -> list[int]:
+        """generation_config.json's eos_token_id when it names any (what transformers stops on),
+        else the template's end-of-turn tokens (the tokenizer's eos token and the added token the
+        template writes right after an assistant message)."""
+        ids = self._eos_ids_of(generation_config) or [eos_id] + self._template_end_ids()
         stop: list[int] = []
-        for i in self._eos_ids_of(generation_config) + [eos_id]:
+        for i in ids:
             if i >= self.vocab_size:
                 raise ModelFilesError(f"The eos_token_id {i} in {GENERATION_CONFIG_FILE} is "
                                       f"outside the tokenizer's {self.vocab_size} ids.")
             if i not in stop:
                 stop.append(i)
         return stop
+
+    def _template_end_ids(self) -> list[int]:
+        if self._template_source is None or self._special_re is None:
+            return []
+        marker = "\U000F7777"  # a private-use character no template writes by itself
+        try:
+            text = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
+                                False, False, None)
+        except TritonChatError:
+            return []  # a template that cannot render is reported when the chat starts
+        at = text.rfind(marker)
+        if at < 0:
+            return []
+        match = self._special_re.match(text[at + len(marker):].lstrip())
+        return [self._added[match.group(0)]] if match else []
 
     # ------------------------------------------------------------------ tokens
 
@@ -240,13 +291,14 @@ class ChatTokenizer:
         return self._added.get(name)
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Ids of `text`. Special-token text is plain characters unless allow_special is set."""
+        """Ids of `text`. Added-token text is plain characters unless allow_special is set."""
         if not allow_special or self._special_re is None:
             return self._encode_plain(text)
         return self._encode_pieces(text, restore=False)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # The one place text reaches tokenizers: repair what is not valid Unicode here.
+        return self._tok.encode(repair_text(text), add_special_tokens=False).ids
 
     def _encode_pieces(self, text: str, *, restore: bool) -> list[int]:
         """Special tokens in `text` become their ids, the text between them is encoded plainly.
@@ -264,9 +316,16 @@ class ChatTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        """Text of ids; skip_special drops the tokens the files call special (as transformers'
+        skip_special_tokens does), keeping `<think>`, `<tool_call>` and the other plain added tokens."""
+        ids = [int(i) for i in ids]
+        if skip_special:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._tok.decode(ids, skip_special_tokens=False)
 
-    def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
+    def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
+        """A streaming decoder for display: special tokens the model emits (`<|vision_pad|>`,
+        `<|im_end|>` ...) are dropped from the text unless skip_special=False."""
         return StreamDecoder(lambda ids: self.decode(ids, skip_special=skip_special))
 
     # ------------------------------------------------------------------ chat
@@ -317,18 +376,22 @@ class ChatTokenizer:
 
     # ------------------------------------------------------------------ placeholders
 
-    def _neutralise(self, value: Any) -> Any:
+    def _neutralise(self, value: Any, pattern: "re.Pattern") -> Any:
         if isinstance(value, str):
-            return self._neutral_re.sub(lambda m: self._neutral_of[m.group(0)], value)
+            return pattern.sub(lambda m: self._neutral_of[m.group(0)], value)
         if isinstance(value, Mapping):
-            return {k: self._neutralise(v) for k, v in value.items()}
+            return {k: self._neutralise(v, pattern) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self._neutralise(v) for v in value]
+            return [self._neutralise(v, pattern) for v in value]
         return value
 
     def _neutralise_message(self, message: Mapping) -> dict:
-        # The role steers the template; everything else in a message is data.
-        return {k: (v if k == "role" else self._neutralise(v)) for k, v in message.items()}
+        # The role steers the template; everything else in a message is data. The model's own
+        # past output (an assistant message nobody edited) keeps its plain added tokens.
+        own = message.get("role") == "assistant" and not message.get("edited")
+        pattern = self._neutral_special_re if own else self._neutral_re
+        return {k: (v if k == "role" else self._neutralise(v, pattern))
+                for k, v in message.items() if k != "edited"}
 
     def _restore(self, text: str) -> str:
         return self._restore_re.sub(lambda m: self._restore_of.get(m.group(1), m.group(0)), text)

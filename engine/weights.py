@@ -88,7 +88,7 @@ def load_weights(model_dir: str | Path, cfg: TextConfig, *, device: str | torch.
     expected = cfg.expected_shapes()
     dev = str(torch.device(device))
     out: dict[str, torch.Tensor] = {}
-    where: dict[str, Path] = {}
+    where: dict[str, tuple[Path, str]] = {}
     for name, key, path, f in iter_checkpoint_tensors(model_dir, dev):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the LM head is the embedding
@@ -111,17 +111,51 @@ def load_weights(model_dir: str | Path, cfg: TextConfig, *, device: str | torch.
         if t.dtype != target:
             t = t.to(target)
         out[name] = t
-        where[name] = path
+        where[name] = (path, key)
     missing = [n for n in expected if n not in out]
     if missing:
         raise ModelFilesError(
             f"The checkpoint in {model_dir} lacks '{missing[0]}' ({len(missing)} tensors missing); "
             "it is incomplete or not a Qwen3.5 checkpoint.")
-    if not all(torch.isfinite(out[n]).all() for n in ("embed_tokens.weight", "norm.weight")):
-        raise ModelFilesError(f"{where['embed_tokens.weight']} holds NaN or infinite values; download the model again.")
+    bad = first_non_finite(out)
+    if bad is not None:
+        path, key = where[bad]
+        raise ModelFilesError(f"{path} is damaged: the tensor '{key}' holds NaN or infinite values; "
+                              "download the model again or replace that file.")
     if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, else None.
+
+    One fused multi-tensor reduction per dtype (torch._foreach_norm, L1: NaN and inf propagate, and a
+    sane weight's absolute sum cannot overflow) and one host sync for the whole checkpoint: well
+    under a millisecond on the GPU, and on the CPU faster than an isfinite() pass per tensor.
+    """
+    names = list(tensors)
+    if not names:
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for k, n in enumerate(names):
+        t = tensors[n]
+        groups.setdefault((t.device, t.dtype), []).append(k)
+    order: list[int] = []
+    sums = []
+    for idx in groups.values():
+        group = [tensors[names[k]] for k in idx]
+        try:
+            norms = torch._foreach_norm(group, 1)
+        except (AttributeError, RuntimeError, TypeError):  # no fused kernel for this dtype/device
+            norms = [g.abs().sum() for g in group]
+        sums.append(torch.stack(list(norms)).float().to(group[0].device))
+        order += idx
+    device = sums[0].device
+    finite = torch.isfinite(torch.cat([x.to(device) for x in sums]))
+    if bool(finite.all()):  # the one host sync
+        return None
+    return names[order[int((~finite).nonzero()[0, 0])]]
 
 
 def random_weights(cfg: TextConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,

@@ -248,3 +248,43 @@ def test_compiled_templates_are_cached():
     _render([{"role": "user", "content": "b"}])
     info = chat_template.compile_template.cache_info()
     assert info.misses == 1 and info.hits == 1
+
+
+# ------------------------------------------------------------------ untrusted templates are bounded (#61.5)
+
+HOSTILE = {
+    "nested loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested loop over a list": "{% set x = range(100000)|list %}{% for a in x %}{% for b in x %}{% endfor %}"
+                               "{% endfor %}",
+    "30 MB of output": "{% for i in range(30000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "one huge string": "{{ 'x' * 30000000 }}",
+    "doubling": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"
+                "{{ ns.s|length }}",
+    "huge list": "{{ ([1] * 100000) * 100000 }}",
+    "huge power": "{{ 10 ** 100000000 }}",
+    "overflow": "{{ (1e308 * 10) | int }}",
+    "float overflow": "{{ (10 ** 400) | float }}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "division by zero": "{{ 1 / 0 }}",
+    "format width": "{{ '%*d' % (100000000, 1) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_templates_fail_with_the_one_sentence(name, monkeypatch):
+    import time
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 1.0)
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as e:
+        render(HOSTILE[name], [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 5.0, name
+    assert str(e.value) == chat_template.FAILED and e.value.details
+
+
+def test_limits_leave_real_conversations_alone():
+    # a long conversation renders in full: the size limit grows with the conversation's text
+    long = [{"role": "user", "content": "y" * 3_000_000}]
+    assert len(_render(long)) > 3_000_000
+    many = [m for k in range(2000) for m in ({"role": "user", "content": f"q{k}"},
+                                             {"role": "assistant", "content": f"a{k}"})]
+    assert _render(many).count("<|im_start|>") == 4001

@@ -32,7 +32,8 @@ from tritonchat.engine.hub import (
 )
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.02, stall_s=5.0)
-SKIPPED = {".gitattributes", "README.md", "LICENSE", "preprocessor_config.json", "video_preprocessor_config.json"}
+SKIPPED = {".gitattributes", "README.md", "LICENSE", "preprocessor_config.json", "video_preprocessor_config.json",
+           "vocab.json", "merges.txt"}  # the slow tokenizer's files: tokenizer.json is there
 REPO_DIR = "models--Qwen--Qwen3.5-0.8B"
 
 
@@ -72,6 +73,9 @@ def finished(events: list[DownloadProgress]) -> bool:
 
 
 def test_cache_dir_precedence(tmp_path, monkeypatch):
+    # #58.5: the Hugging Face hub cache, found exactly as huggingface_hub finds it
+    for var in ("HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hubcache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hfhome"))
     assert model_cache_dir() == tmp_path / "hubcache"
@@ -81,14 +85,17 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert model_cache_dir() == tmp_path / "home" / "somewhere" / "hub"
     monkeypatch.delenv("HF_HOME")
-    import platformdirs
-
-    assert model_cache_dir() == Path(platformdirs.user_cache_dir("tritonchat", appauthor=False)) / "hub"
-    if sys.platform.startswith("linux"):
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert model_cache_dir() == tmp_path / "xdg" / "tritonchat" / "hub"
-    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import platformdirs -> ImportError
-    assert model_cache_dir() == tmp_path / "home" / ".cache" / "tritonchat" / "hub"
+    assert model_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    code = "import huggingface_hub.constants as c; print(c.HF_HUB_CACHE)"
+    for env in ({}, {"HF_HOME": str(tmp_path / "hfhome")}, {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy")}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert Path(theirs.stdout.strip()) == model_cache_dir(), env
+        for k in env:
+            monkeypatch.delenv(k)
 
 
 def test_engine_hub_imports_without_qt_platformdirs_or_huggingface_hub():
@@ -97,12 +104,14 @@ def test_engine_hub_imports_without_qt_platformdirs_or_huggingface_hub():
         "for name in ('platformdirs', 'PySide6', 'huggingface_hub', 'filelock'):\n"
         "    sys.modules[name] = None\n"
         "import tritonchat.engine.hub as h\n"
-        "print(h.model_cache_dir())\n"
+        "print(h.model_cache_dir(), h._search_caches()[-1])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(Path.home() / ".cache" / "tritonchat" / "hub")
+    home = Path.home() / ".cache"
+    assert out.stdout.split() == [str(home / "huggingface" / "hub"), str(home / "tritonchat" / "hub")]
 
 
 @pytest.mark.parametrize("model, local", [
@@ -153,23 +162,49 @@ def test_local_model_dir_needs_every_file_the_loader_needs(hub_env):
     assert local_model_dir(revision=commit) == snapshot
     assert local_model_dir(revision="b" * 40) is None  # a pinned commit means that commit
     (snapshot / "tokenizer.json").unlink()
-    (snapshot / "vocab.json").unlink()
+    assert not (snapshot / "vocab.json").exists()
     assert local_model_dir() is None  # no tokenizer at all
 
 
-def test_local_model_dir_finds_manual_copies_and_the_huggingface_cache(hub_env, tmp_path, monkeypatch):
+def test_local_model_dir_finds_manual_copies_and_the_old_tritonchat_cache(hub_env, tmp_path, monkeypatch):
     files = text_files(fake_model_files(weights_bytes=64))
     manual = write_snapshot(hub_env.cache, "manual", files)  # the folder the error message names
     assert local_model_dir() == manual
     assert resolve_model(DEFAULT_MODEL, offline=True) == manual
-    # no HF_* variables: our platformdirs cache first, then huggingface_hub's default one
+    # no HF_* variables: the huggingface cache first, then where tritonchat used to download
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setitem(sys.modules, "platformdirs", None)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert local_model_dir() is None
+    ours_before = write_snapshot(tmp_path / "home" / ".cache" / "tritonchat" / "hub", "d" * 40, files, ref="d" * 40)
+    assert local_model_dir() == ours_before
     theirs = write_snapshot(tmp_path / "xdg" / "huggingface" / "hub", "c" * 40, files, ref="c" * 40)
     assert local_model_dir() == theirs
+
+
+def test_a_default_download_is_found_by_huggingface_hub(hub_env, tmp_path, monkeypatch):
+    # #58.5: no cache_dir anywhere: both sides read HF_HOME, and the layout is huggingface_hub's own
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hfhome"))
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    assert dest == tmp_path / "hfhome" / "hub" / REPO_DIR / "snapshots" / fake.commit
+    assert not (dest / "vocab.json").exists() and not (dest / "merges.txt").exists()
+    code = ("from huggingface_hub import snapshot_download; "
+            f"print(snapshot_download({DEFAULT_MODEL!r}, revision={hub.DEFAULT_REVISION!r}, local_files_only=True))")
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert theirs.returncode == 0, theirs.stderr
+    assert Path(theirs.stdout.strip()) == dest
+
+
+def test_the_revision_is_pinned_in_one_place():
+    import inspect
+    src = inspect.getsource(hub)
+    assert re.fullmatch(r"main|[0-9a-f]{40}", hub.DEFAULT_REVISION)
+    assert src.count('"main"') == 1   # the constant's own definition
+    for fn in (local_model_dir, plan_download, DownloadProcess.__init__):
+        assert inspect.signature(fn).parameters["revision"].default == hub.DEFAULT_REVISION
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,7 +325,8 @@ def test_a_cache_written_by_huggingface_hub_is_used(hub_env):
     count = len(fake.requests)
     assert resolve_model(DEFAULT_MODEL) == Path(theirs)
     assert len(fake.requests) == count
-    assert_snapshot(Path(theirs), text_files(files))
+    slow = {n: files[n] for n in ("vocab.json", "merges.txt")}  # their pattern list takes these too
+    assert_snapshot(Path(theirs), {**text_files(files), **slow})
 
 
 def test_retry_after_a_dropped_connection_resumes_mid_file(hub_env):
@@ -452,9 +488,60 @@ def test_a_full_disk_is_one_sentence(hub_env, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(hub, "_fetch_once", no_space)
-    with pytest.raises(DownloadError, match=rf"\(the disk holding {re.escape(str(hub_env.cache))} is full\)") as e:
+    with pytest.raises(DownloadError, match=rf"^The disk holding {re.escape(str(hub_env.cache))} has .* free but "
+                                            r"the model needs .* more; free some space, or choose another folder "
+                                            r"with HF_HUB_CACHE") as e:
         resolve_model(DEFAULT_MODEL, retry=FAST)
     assert one_sentence(str(e.value)) and "No space left" in e.value.details
+
+
+def test_too_little_free_space_is_said_before_the_download(hub_env, monkeypatch):
+    # #61.2: checked with shutil.disk_usage before the first byte; the sentence says how much is needed
+    fake = hub_env.serve(fake_model_files(weights_bytes=1 << 16))
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: shutil_usage(total=10**9, used=10**9 - 1000, free=1000))
+    with pytest.raises(DownloadError, match=r"has 1.0 kB free but the model needs 6\d\.\d kB more") as e:
+        resolve_model(DEFAULT_MODEL, retry=FAST)
+    assert one_sentence(str(e.value))
+    assert fake.served[SHARD] == 0               # the weights were not started
+
+
+def shutil_usage(**kw):
+    import collections
+    return collections.namedtuple("usage", "total used free")(**kw)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_is_one_sentence_naming_it(hub_env):
+    hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+    hub_env.cache.mkdir(parents=True)
+    hub_env.cache.chmod(0o500)
+    try:
+        with pytest.raises(DownloadError) as e:
+            resolve_model(DEFAULT_MODEL, retry=FAST)
+    finally:
+        hub_env.cache.chmod(0o700)
+    assert str(e.value).startswith(f"The model cache {hub_env.cache} cannot be written (permission denied); ")
+    assert "HF_HUB_CACHE" in str(e.value) and "--model DIR" in str(e.value) and one_sentence(str(e.value))
+
+
+@pytest.mark.parametrize("code, words", [(errno.EROFS, "read-only file system"), (errno.EACCES, "permission denied")])
+def test_an_unwritable_cache_is_one_sentence_in_the_cli_and_the_gui(hub_env, monkeypatch, code, words):
+    # #61.2: today "internal error (OSError: [Errno 30] ...)" in the CLI, "unexpected OSError" in the GUI
+    hub_env.serve(fake_model_files(weights_bytes=1 << 12))
+
+    def refuse(folder):
+        raise OSError(code, os.strerror(code), str(folder))
+
+    monkeypatch.setattr(hub, "_check_writable", refuse)
+    with pytest.raises(DownloadError) as e:
+        resolve_model(DEFAULT_MODEL, retry=FAST)
+    sentence = str(e.value)
+    assert sentence == (f"The model cache {hub_env.cache} cannot be written ({words}); choose another folder with "
+                        "HF_HUB_CACHE (or HF_HOME), or pass --model DIR with a folder holding the model.")
+    events: list[DownloadProgress] = []
+    with pytest.raises(DownloadError):
+        hub.download(plan_download(retry=FAST), progress=events.append, retry=FAST)
+    assert events[-1].stage == "error" and events[-1].message == sentence
 
 
 # ------------------------------------------------------------------------------------------------
@@ -632,3 +719,83 @@ def test_fake_hub_speaks_enough_hub_for_huggingface_hub(tmp_path):
             hf_hub_download(fake.repo_id, "nope.json", cache_dir=tmp_path, endpoint=fake.endpoint, token=False)
         index = json.loads(files["model.safetensors.index.json"])
         assert set(index["weight_map"].values()) == {SHARD}
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification records and repair (#61.1)
+
+
+def _flip(path: Path, at: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_file_is_recorded_once_verified(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    stamp = json.loads((hub_env.cache / REPO_DIR / ".tritonchat" / f"verified-{fake.commit}.json").read_text())
+    assert set(stamp["files"]) == set(text_files(files))
+    for name, entry in stamp["files"].items():
+        assert entry["size"] == len(files[name]) and entry["sha256"] == fake.sha256[name]
+        assert entry["mtime_ns"] == (dest / name).stat().st_mtime_ns and entry["verified_at"].endswith("Z")
+    assert all(c.status == "ok" for c in hub.check_snapshot(dest, full=True))
+    from huggingface_hub import scan_cache_dir
+    assert scan_cache_dir(hub_env.cache).repos  # the record does not upset huggingface_hub's cache scan
+
+
+@pytest.mark.parametrize("name, damage", [(SHARD, "flip"), (SHARD, "truncate"), ("tokenizer.json", "flip")])
+def test_a_damaged_file_is_caught_and_download_again_replaces_it(hub_env, name, damage):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    blob = (dest / name).resolve()
+    if damage == "flip":
+        _flip(blob)                   # same size: today skipped as "already downloaded"
+    else:
+        blob.write_bytes(files[name][:-10])
+    assert [c.name for c in hub.damaged_files(dest)] == [name]
+    assert local_model_dir() is None             # not offered to the loader as a good copy
+    with pytest.raises(DownloadError, match=rf"^{re.escape(name)} in .* is damaged .*; go online to download it again") as e:
+        resolve_model(DEFAULT_MODEL, offline=True)
+    assert one_sentence(str(e.value))
+    served = fake.served[name]
+    events: list[DownloadProgress] = []
+    assert resolve_model(DEFAULT_MODEL, retry=FAST, progress=events.append) == dest
+    assert (dest / name).read_bytes() == files[name]
+    assert fake.served[name] == 2 * served       # fetched again, whole
+    assert any("damaged" in e.message for e in events if e.stage == "retry")
+    assert events[-1].stage == "done"
+    assert not hub.damaged_files(dest)
+
+
+def test_a_blob_another_tool_wrote_is_hashed_once_before_it_is_trusted(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    fake = hub_env.serve(files)
+    from huggingface_hub import snapshot_download
+    theirs = Path(snapshot_download(DEFAULT_MODEL, cache_dir=hub_env.cache, endpoint=fake.endpoint,
+                                    allow_patterns=list(TEXT_MODEL_FILES)))
+    _flip((theirs / SHARD).resolve())
+    checks = {c.name: c for c in hub.check_snapshot(theirs, full=True)}   # hub blob names are hashes
+    assert checks[SHARD].status == "damaged" and checks["config.json"].status == "ok"
+    plan = plan_download(retry=FAST)
+    hub.download(plan, retry=FAST)
+    assert (theirs / SHARD).read_bytes() == files[SHARD]
+
+
+def test_the_quick_check_trusts_the_record_and_the_full_check_hashes(hub_env):
+    files = fake_model_files(weights_bytes=1 << 16)
+    hub_env.serve(files)
+    dest = resolve_model(DEFAULT_MODEL, retry=FAST)
+    blob = (dest / SHARD).resolve()
+    st = blob.stat()
+    _flip(blob)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))     # damage that keeps size and mtime
+    assert not hub.damaged_files(dest)
+    assert [c.name for c in hub.check_snapshot(dest, full=True) if c.status == "damaged"] == [SHARD]
+    os.utime(blob, None)                                     # a touched but intact file: hashed, then recorded again
+    blob.write_bytes(files[SHARD])
+    assert not hub.damaged_files(dest)
+    stamp = json.loads(next((hub_env.cache / REPO_DIR / ".tritonchat").glob("verified-*.json")).read_text())
+    assert stamp["files"][SHARD]["mtime_ns"] == blob.stat().st_mtime_ns

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")   # before any Qt import
+if "TRITONCHAT_LOG_DIR" not in os.environ:               # error boxes log here, not in ~/.local
+    import tempfile
+
+    os.environ["TRITONCHAT_LOG_DIR"] = tempfile.mkdtemp(prefix="tritonchat-test-logs-")
 
 import pytest  # noqa: E402
 
@@ -176,3 +180,103 @@ def on_gui():
 
     yield connect
     relays.clear()
+
+
+class FakeSession:
+    """A recorded fake engine behind the ChatSession interface: answers with canned text at
+    once, counts tokens as words + 5 per message. For window tests where the real tiny model
+    adds only time (loading it costs ~1 s, each answer more)."""
+
+    def __init__(self, options):
+        from tritonchat.engine.options import SamplingParams
+
+        self.options = options
+        self.generation_defaults = SamplingParams()
+        self.answers = ["A fake answer."]
+        self.calls: list[tuple] = []
+
+    def capabilities(self):
+        return {"triton": False, "cuda": False, "device_name": "", "reason": "fake engine"}
+
+    def count_tokens(self, messages, enable_thinking):
+        return sum(len(m["content"].split()) + 5 for m in messages) + 3
+
+    def generate(self, messages, params, *, max_new_tokens, enable_thinking, stop_event=None,
+                 on_text=None, on_stats=None, **kw):
+        from types import SimpleNamespace
+
+        self.calls.append(("generate", [dict(m) for m in messages]))
+        text = self.answers[(len(self.of("generate")) - 1) % len(self.answers)]
+        if on_text:
+            on_text("", text)
+        stats = {"new_tokens": len(text.split()), "stop_reason": "eos", "decode_tok_s": 100.0,
+                 "ttft_ms": 1.0, "prefill_tok_s": 1000.0}
+        result = SimpleNamespace(stats=SimpleNamespace(to_dict=lambda: dict(stats)),
+                                 engine=dict(self.options.to_dict(), backend=self.options.backend))
+        return SimpleNamespace(thinking="", answer=text, thinking_seconds=0.0, result=result)
+
+    def configure(self, **kw):
+        self.calls.append(("configure", kw))
+
+    def set_max_context(self, n):
+        self.options.max_context = int(n)
+
+    def kernel_timings(self):
+        return None
+
+    def roofline(self):
+        return None
+
+    def plan_range(self):
+        return None
+
+    def memory_info(self):
+        return {}
+
+    def close(self):
+        pass
+
+    def of(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+@pytest.fixture
+def fake_loader():
+    """A loader of FakeSessions (no model is read); .sessions lists them."""
+    def loader(model_dir, options, progress):
+        s = FakeSession(options)
+        loader.sessions.append(s)
+        return s
+
+    loader.sessions = []
+    return loader
+
+
+@pytest.fixture
+def make_fake_window(qtbot, store, qsettings, tmp_path, fake_loader, errors_shown):
+    """make_fake_window(**kw) -> a shown MainWindow on the fake engine, loaded."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    from tritonchat.app.main_window import MainWindow
+
+    windows = []
+    model = tmp_path / "fake-model"
+    model.mkdir(exist_ok=True)
+
+    def make(context=4096, **kw):
+        qsettings.setValue("engine/context_length", context)
+        kw.setdefault("loader", fake_loader)
+        w = MainWindow(str(model), kw.pop("store", store), kw.pop("qsettings", qsettings), **kw)
+        qtbot.addWidget(w)
+        windows.append(w)
+        w.show()
+        with qtbot.waitSignal(w.modelLoaded, timeout=20000):
+            w.start()
+        return w
+
+    yield make
+    for w in windows:
+        w.close()
+        assert w.engine.thread.wait(30000)
+        w.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)

@@ -7,7 +7,7 @@ import pytest
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
-from tritonchat.app.chat_view import ChatView, RichText, ThinkingBlock, format_stats, stats_tooltip
+from tritonchat.app.chat_view import ChatView, RichText, ThinkingBlock
 from tritonchat.app.markdown import RenderStyle
 
 
@@ -209,37 +209,6 @@ def test_rich_text_fits_its_content(qtbot):
     short = r.height()
     r.set_html("<p>" + "<br/>".join(["line"] * 30) + "</p>")
     assert r.height() > short * 5
-
-
-def test_format_stats_line_and_tooltip():
-    stats = {"ttft_ms": 12.3, "prefill_tok_s": 2500.0, "decode_tok_s": 512.25, "new_tokens": 1,
-             "stop_reason": "max_tokens", "backend": "triton", "dtype": "bfloat16", "split_k": True,
-             "graph": False, "prompt_tokens": 20, "thinking_seconds": 0.5}
-    line = format_stats(stats)
-    assert line.split("  \u00b7  ") == ["TTFT 12 ms", "prefill 2,500 tok/s", "decode 512.2 tok/s", "1 token",
-                                        "max tokens", "triton bf16 split-K on graph off"]
-    assert format_stats({"new_tokens": 0, "stop_reason": "stopped", "backend": "reference", "dtype": "float32",
-                         "split_k": True}) == "0 tokens  \u00b7  stopped  \u00b7  reference fp32"
-    assert format_stats(None) == "" and format_stats({}) == ""
-    tip = stats_tooltip(stats)
-    assert "Prompt tokens: 20" in tip and "Thinking: 0.5 s" in tip and "Split-K: True" in tip
-    # the GDN states' L2 window, when the engine reports it
-    line = format_stats(dict(stats, l2_state=False))
-    assert line.endswith("triton bf16 split-K on graph off L2 states off")
-    assert "GDN states in L2: False" in stats_tooltip(dict(stats, l2_state=False))
-    # the context-range plans, likewise
-    assert format_stats(dict(stats, l2_state=True, context_ranges=False)).endswith(
-        "L2 states on context ranges off")
-    assert "Context-range plans: False" in stats_tooltip(dict(stats, context_ranges=False))
-    # the launch cache, only where it acts: without the graph
-    assert format_stats(dict(stats, context_ranges=True, launch_cache=False)).endswith(
-        "context ranges on launch cache off")
-    assert "launch cache" not in format_stats(dict(stats, graph=True, launch_cache=True))
-    assert "Launch cache (graph off): False" in stats_tooltip(dict(stats, launch_cache=False))
-    ref = stats_tooltip(dict(stats, backend="reference", l2_state=True, context_ranges=True,
-                             launch_cache=True))
-    assert "Backend: reference" in ref and "Split-K" not in ref and "CUDA Graph" not in ref
-    assert "GDN states in L2" not in ref and "Context-range" not in ref and "Launch cache" not in ref
 
 
 def test_interrupted_thinking_without_stats(view):

@@ -555,3 +555,37 @@ def test_real_hub_retry_is_shown_and_download_verifies(qtbot, real_hub_env):
     assert "retrying" in dlg.notice_label.text()
     assert "retry" in stages and "verify" in stages and stages[-1] == "done"
     assert (dlg.result_dir / fakehub.SHARD).read_bytes() == files[fakehub.SHARD]
+
+
+def test_real_hub_damaged_file_is_offered_for_download_again(qtbot, real_hub_env):
+    # #61.1: a shard damaged at the same size was "already here" and kept; now the dialog names it
+    # and Download again replaces it.
+    fakehub, env = real_hub_env
+    from tritonchat.engine import hub
+    files = fakehub.fake_model_files(weights_bytes=200_000, seed=7)
+    server = env.serve(files)
+    dest = hub.resolve_model(hub.DEFAULT_MODEL, retry=hub.RetryPolicy(attempts=2, backoff_s=0.01))
+    blob = (dest / fakehub.SHARD).resolve()
+    data = bytearray(blob.read_bytes())
+    data[1234] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert hub.local_model_dir() is None
+    dlg = _real_hub_dialog(qtbot, env.cache)
+    assert dlg.state == "ready", dlg.info_label.text()
+    assert dlg.download_button.text() == "Download again"
+    assert fakehub.SHARD in dlg.info_label.text() and "failed verification" in dlg.info_label.text()
+    served = server.served[fakehub.SHARD]
+    with qtbot.waitSignal(dlg.finished, timeout=60000):
+        dlg.download_button.click()
+    assert dlg.result() == QDialog.DialogCode.Accepted.value, dlg.notice_label.text()
+    assert (dlg.result_dir / fakehub.SHARD).read_bytes() == files[fakehub.SHARD]
+    assert server.served[fakehub.SHARD] == 2 * served
+
+
+def test_a_failed_check_offers_download_again(qtbot, fake):
+    fake.fail_at = 0
+    dlg = open_dialog(qtbot)
+    dlg._download_failed("Could not download Qwen/Qwen3.5-0.8B (tokenizer.json failed its sha256 check twice).")
+    assert dlg.retry_button.text() == "Download again" and "Download again" in dlg.notice_label.text()
+    dlg._download_failed("The download stopped unexpectedly (exit code 1).")
+    assert dlg.retry_button.text() == "Try again"

@@ -148,7 +148,7 @@ def test_error_box_contents(qtbot):
     qtbot.addWidget(parent)
     box = build_error_box(parent, "The GPU ran out of memory.", "Traceback: ...", title="Oops")
     assert box.text() == "The GPU ran out of memory."
-    assert box.detailedText() == "Traceback: ..."
+    assert box.detailedText().startswith("What failed: The GPU ran out of memory.\n\nWhat to do: ")
     assert box.icon() == QMessageBox.Icon.Warning
     assert box.windowTitle() == "Oops"
     assert box.parent() is parent
@@ -165,7 +165,24 @@ def test_show_error_is_modal_and_returns_when_closed(qtbot):
 
     QTimer.singleShot(50, close_it)
     show_error(None, "Something went wrong: KeyError: 'x'", "the traceback")
-    assert seen["box"] == ("QMessageBox", "Something went wrong: KeyError: 'x'", "the traceback")
+    assert seen["box"][:2] == ("QMessageBox", "Something went wrong: KeyError: 'x'")
+    assert "the traceback" in seen["box"][2]
+
+
+def test_details_say_what_failed_and_what_to_do_and_the_traceback_goes_to_the_log(qtbot, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("TRITONCHAT_LOG_DIR", str(tmp_path / "logs"))
+    exc = raised(ModelFilesError("The model file model.safetensors is missing: download the model "
+                                 "again.", details="looked in /m"))
+    sentence, details = describe_exception(exc)
+    box = build_error_box(None, sentence, details)
+    log = tmp_path / "logs" / "tritonchat.log"
+    shown = box.detailedText()
+    assert shown.startswith("What failed: tritonchat.engine.errors.ModelFilesError: The model file")
+    assert "What to do: Download the model again." in shown and "looked in /m" in shown
+    assert "Traceback" not in shown and str(log) in shown and str(log) in box.informativeText()
+    text = log.read_text()
+    assert "Traceback (most recent call last):" in text and "ModelFilesError" in text
 
 
 def test_error_banner(qtbot):

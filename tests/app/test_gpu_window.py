@@ -74,7 +74,7 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
 
     # the GDN states' L2 window off: re-captured without it, the answer says so
     s = copy.deepcopy(w.settings)
-    s.l2_state = False
+    s.engine["l2_state"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: ("configure", {"l2_state": False}) in session.calls, timeout=20000)
     no_l2 = send(qtbot, w, "Again without the states in L2", timeout=120000)
@@ -84,7 +84,7 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
 
     # split-K and the graph off: the next answer runs without them, and slower (eager launches)
     s = copy.deepcopy(w.settings)
-    s.split_k, s.graph = False, False
+    s.engine.update(split_k=False, graph=False)
     w.apply_settings(s)
     qtbot.waitUntil(lambda: ("configure", {"split_k": False, "graph": False}) in session.calls, timeout=20000)
     off = send(qtbot, w, "And once more without the graph", timeout=120000)
@@ -96,7 +96,7 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
 
     # and the launch cache off too: every launch through Triton's dispatch, slower again
     s = copy.deepcopy(w.settings)
-    s.launch_cache = False
+    s.engine["launch_cache"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: ("configure", {"launch_cache": False}) in session.calls, timeout=20000)
     dispatch = send(qtbot, w, "And without the launch cache", timeout=120000)

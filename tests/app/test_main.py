@@ -14,7 +14,7 @@ from tritonchat.app.store import ChatStore
 
 def test_parse_args_defaults():
     a = parse_args([])
-    assert a.model == "Qwen/Qwen3.5-0.8B" and a.backend is None and a.db is None
+    assert a.model is None and a.backend is None and a.db is None and not a.demo
     a = parse_args(["--model", "/m", "--backend", "reference", "--dtype", "float32"])
     assert (a.model, a.backend, a.dtype) == ("/m", "reference", "float32")
 

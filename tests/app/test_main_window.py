@@ -118,21 +118,46 @@ def test_thinking_block_collapses_and_says_how_long(qtbot, make_window):
     assert block.expanded and block.body.isVisibleTo(w)
 
 
-def test_regenerate_replaces_the_last_answer(qtbot, make_window, recording_loader):
+def test_regenerate_keeps_the_previous_answer_as_a_variant(qtbot, make_window, recording_loader,
+                                                           tmp_path, monkeypatch):
     w = make_window(seed="")                              # random seed: a fresh answer
     send(qtbot, w, "Pick a word")
     first = stored(w)
     last = w.chat.messages[-1]
     assert last.regenerate_button.isVisibleTo(w)
+    assert not last.prev_button.isVisibleTo(w)            # one answer: no arrows
     with qtbot.waitSignal(w.generationFinished, timeout=60000):
         qtbot.mouseClick(last.regenerate_button, Qt.MouseButton.LeftButton)
     second = stored(w)
     assert [m.role for m in second] == ["user", "assistant"]
     assert second[0].id == first[0].id and second[1].id != first[1].id
+    assert (second[1].variant, second[1].variants) == (2, 2)
     session = recording_loader.sessions[-1]
     gens = session.of("generate")
     assert len(gens) == 2 and gens[0][1] == gens[1][1]    # the same conversation was answered again
     assert len(w.chat.messages) == 2
+    answer = w.chat.messages[-1]
+    assert answer.prev_button.isVisibleTo(w) and answer.variant_label.text() == "2/2"
+    assert answer.prev_button.isEnabled() and not answer.next_button.isEnabled()
+    # ‹ shows the first answer again, persisted; the next turn's context is that one
+    qtbot.mouseClick(answer.prev_button, Qt.MouseButton.LeftButton)
+    answer = w.chat.messages[-1]
+    assert answer.msg_id == first[1].id and answer.variant_label.text() == "1/2"
+    assert answer.content == first[1].content
+    assert stored(w)[-1].id == first[1].id
+    send(qtbot, w, "again")
+    context = session.of("generate")[-1][1]
+    assert context[1] == {"role": "assistant", "content": first[1].content}
+    # both variants are in the exports, the selected one marked
+    monkeypatch.setattr(w, "_ask_save_path", lambda title, fmt: str(tmp_path / f"out.{fmt}"))
+    w.export_json_action.trigger()
+    data = json.loads((tmp_path / "out.json").read_text(encoding="utf-8"))
+    variants = data["messages"][1]["variants"]
+    assert [v["selected"] for v in variants] == [True, False]
+    assert variants[1]["content"] == second[1].content
+    w.export_md_action.trigger()
+    md = (tmp_path / "out.markdown").read_text(encoding="utf-8")
+    assert "variant 1 of 2, selected" in md and "Variant 2 of 2" in md
 
 
 def test_regenerate_only_on_the_last_answer(qtbot, make_window):
@@ -269,27 +294,27 @@ def test_engine_switches_reach_configure(qtbot, make_window, recording_loader):
     w = make_window()
     session = recording_loader.sessions[-1]
     s = copy.deepcopy(w.settings)
-    s.split_k, s.graph = False, False
+    s.engine.update(split_k=False, graph=False)
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 1, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"split_k": False, "graph": False})
     s = copy.deepcopy(s)
-    s.graph = True
+    s.engine["graph"] = True
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 2, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"graph": True})
     s = copy.deepcopy(s)
-    s.l2_state = False
+    s.engine["l2_state"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 3, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"l2_state": False})
     s = copy.deepcopy(s)
-    s.context_ranges = False
+    s.engine["context_ranges"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 4, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"context_ranges": False})
     s = copy.deepcopy(s)
-    s.launch_cache = False
+    s.engine["launch_cache"] = False
     w.apply_settings(s)
     qtbot.waitUntil(lambda: len(session.of("configure")) == 5, timeout=10000)
     assert session.of("configure")[-1] == ("configure", {"launch_cache": False})
@@ -312,7 +337,8 @@ def test_context_length_change_applies_without_restart(qtbot, make_window, recor
     assert stats["max_context"] == 1024
 
 
-def test_context_full_shows_a_sentence_and_gives_the_text_back(qtbot, make_window, errors_shown):
+def test_a_prompt_that_cannot_fit_is_refused_before_sending(qtbot, make_window, errors_shown,
+                                                            recording_loader):
     w = make_window()
     s = copy.deepcopy(w.settings)
     s.context_length = 256
@@ -320,14 +346,18 @@ def test_context_full_shows_a_sentence_and_gives_the_text_back(qtbot, make_windo
     qtbot.waitUntil(lambda: w.engine_options.get("max_context") == 256, timeout=60000)
     long_text = "word " * 400
     w.input.set_text(long_text)
-    with qtbot.waitSignal(w.generationFailed, timeout=60000):
-        qtbot.keyClick(w.input.box, Qt.Key.Key_Return)
+    # the meter counts the draft at once (an estimate), then the tokenizer's figure comes
+    assert w.input.context_used > 256 and w.input.over_context
+    qtbot.waitUntil(lambda: w.input.context_exact, timeout=20000)
+    assert w.input.context_used > 256 and w.input.over_context
+    qtbot.keyClick(w.input.box, Qt.Key.Key_Return)
     assert len(errors_shown) == 1
     sentence, _ = errors_shown[0]
     assert "context" in sentence.lower() and sentence.count(". ") == 0
     assert w.input.text() == long_text                    # the typed text is not lost
-    assert w.store.list_conversations() == []             # the failed send left nothing behind
+    assert w.store.list_conversations() == []             # the refused send left nothing behind
     assert w.conv_id is None and not w.input.generating
+    assert recording_loader.sessions[-1].of("generate") == []
 
 
 def test_oom_during_generation(qtbot, make_window, recording_loader, errors_shown):
@@ -373,9 +403,10 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     qtbot.waitUntil(lambda: len(session.of("configure")) == 1, timeout=10000)
     assert w.timing.isVisible() and w.timing_button.isChecked()
     assert session.of("configure")[-1] == ("configure", {"timing": True})
-    # it opens wide enough for the kernel table's columns (when the window has the room)
-    if w.width() >= 2 * w.timing.preferred_width():
-        qtbot.waitUntil(lambda: w.timing.width() >= w.timing.preferred_width() - 8)
+    # it opens as the splitter's right pane, leaving the chat at least 60% of the width
+    assert w.splitter.indexOf(w.timing) == 2
+    qtbot.waitUntil(lambda: w.timing.width() > 0)
+    assert w.splitter.widget(1).width() >= 0.6 * w.splitter.width()
     assert w.timing.note.isVisibleTo(w) and "Triton" in w.timing.note.text()
     assert not w.timing.table.isVisibleTo(w)
     send(qtbot, w, "measure me", timeout=60000)
@@ -390,13 +421,13 @@ def test_cpu_banner_and_reference_timing_note(qtbot, make_window, recording_load
     w.engine.read_timings = lambda: (reads.append("read"), read())
     try:
         s = copy.deepcopy(w.settings)
-        s.context_ranges = not s.context_ranges
+        s.engine["context_ranges"] = not s.engine["context_ranges"]
         w.apply_settings(s)
     finally:
         del w.engine.read_timings, w.engine.configure
     assert reads == ["configure", "read"]
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure",
-                                                             {"context_ranges": s.context_ranges}),
+                                                             {"context_ranges": s.engine["context_ranges"]}),
                     timeout=10000)
     w.timing.toggleViewAction().trigger()
     qtbot.waitUntil(lambda: session.of("configure")[-1] == ("configure", {"timing": False}))
@@ -474,7 +505,8 @@ def test_settings_dialog_round_trip_through_the_window(qtbot, make_window, monke
     w = make_window()
 
     def fake_exec(dialog):
-        assert not dialog.split_k.isEnabled() and "CUDA" in dialog.split_k.toolTip()
+        box = dialog.switches["split_k"]
+        assert not box.isEnabled() and not box.isChecked() and "Triton" in box.toolTip()
         dialog.temperature.setValue(0.0)
         dialog.max_new_tokens.setValue(3)
         dialog.system_prompt.setPlainText("sys")

@@ -8,7 +8,7 @@ import pytest
 from tritonchat.app.settings import (DEFAULT_CONTEXT, DEFAULT_MAX_NEW_TOKENS, ChatSettings,
                                      load_settings, open_settings, save_settings)
 from tritonchat.app.settings_dialog import SettingsDialog
-from tritonchat.engine.options import SamplingParams
+from tritonchat.engine.options import SCOPE_REASON, SamplingParams, switch_fields
 
 MODEL = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
                        repetition_penalty=1.0)
@@ -19,7 +19,8 @@ def test_fresh_settings_follow_the_model(qsettings):
     assert s.sampling == MODEL
     assert s.system_prompt == "" and s.seed is None and s.thinking is False
     assert s.max_new_tokens == DEFAULT_MAX_NEW_TOKENS and s.context_length == DEFAULT_CONTEXT
-    assert s.split_k and s.graph and s.l2_state and s.context_ranges and s.launch_cache
+    assert s.engine == {f.name: f.default for f in switch_fields() if f.name != "timing"}
+    assert s.model == "" and s.recent_models == []
     assert s.theme == "system"
     assert s.sampling_params().seed is None
 
@@ -43,9 +44,9 @@ def test_only_changed_samplers_are_stored(qsettings, tmp_path):
 def test_round_trip_everything(qsettings, tmp_path):
     s = ChatSettings(system_prompt="Be brief.\nAlways.", sampling=replace(MODEL, temperature=0.2, min_p=0.05,
                                                                           repetition_penalty=1.1),
-                     max_new_tokens=123, seed=42, context_length=8192, thinking=True, split_k=False,
-                     graph=False, l2_state=False, context_ranges=False, launch_cache=False,
-                     theme="dark")
+                     max_new_tokens=123, seed=42, context_length=8192, thinking=True,
+                     engine={f.name: not f.default for f in switch_fields() if f.name != "timing"},
+                     theme="dark", model="/models/a", recent_models=["/models/a", "/models/b"])
     save_settings(qsettings, s, MODEL)
     back = load_settings(open_settings(str(tmp_path / "settings.ini")), MODEL)
     assert back == s
@@ -86,20 +87,21 @@ def dialog(qtbot):
 
 
 def test_dialog_shows_and_returns_the_settings(dialog):
+    engine = dict(ChatSettings().engine, split_k=False, graph=True, l2_state=False,
+                  context_ranges=False, launch_cache=False)
     s = ChatSettings(system_prompt="sys", sampling=replace(MODEL, top_k=5), max_new_tokens=77, seed=9,
-                     context_length=16384, thinking=True, split_k=False, graph=True, l2_state=False,
-                     context_ranges=False, launch_cache=False,
-                     theme="light")
-    d = dialog(s, caps={"triton": True, "device_name": "NVIDIA H200", "reason": ""})
+                     context_length=16384, thinking=True, engine=engine, theme="light")
+    d = dialog(s, caps={"triton": True, "cuda": True, "device_name": "NVIDIA H200", "reason": "",
+                        "backend": "triton", "device": "cuda"})
+    sw = d.switches
     assert d.system_prompt.toPlainText() == "sys" and d.top_k.value() == 5
     assert d.max_new_tokens.value() == 77 and d.seed.text() == "9"
     assert d.context_length.currentData() == 16384 and d.thinking.isChecked()
-    assert not d.split_k.isChecked() and d.graph.isChecked() and d.split_k.isEnabled()
-    assert not d.l2_state.isChecked() and d.l2_state.isEnabled() and "L2" in d.l2_state.toolTip()
-    assert (not d.context_ranges.isChecked() and d.context_ranges.isEnabled()
-            and "graph per range" in d.context_ranges.toolTip())
-    assert (not d.launch_cache.isChecked() and d.launch_cache.isEnabled()
-            and "dispatch" in d.launch_cache.toolTip())
+    assert not sw["split_k"].isChecked() and sw["graph"].isChecked() and sw["split_k"].isEnabled()
+    assert not sw["l2_state"].isChecked() and sw["l2_state"].isEnabled() and "L2" in sw["l2_state"].toolTip()
+    assert not sw["context_ranges"].isChecked() and sw["context_ranges"].isEnabled()
+    # with the graph on, the launch cache (graph off only) does not apply: greyed, choice kept
+    assert not sw["launch_cache"].isEnabled() and SCOPE_REASON["no_graph"] in sw["launch_cache"].toolTip()
     assert "H200" in d.engine_note.text()
     assert d.settings() == s
 
@@ -132,12 +134,97 @@ def test_dialog_reset_to_model_defaults(dialog):
 
 def test_triton_switches_disabled_with_the_reason(dialog):
     d = dialog()
-    for box in (d.split_k, d.graph, d.l2_state, d.context_ranges, d.launch_cache):
-        assert not box.isEnabled() and box.toolTip() == "No CUDA GPU: reference."
+    for box in d.switches.values():
+        assert not box.isEnabled() and not box.isChecked()
+        assert box.toolTip().startswith("Not applicable: ")
+    assert SCOPE_REASON["triton"] in d.switches["split_k"].toolTip()
     assert d.engine_note.text() == "No CUDA GPU: reference."
+    # greyed boxes read unchecked but the stored choices come back unchanged
+    assert d.settings().engine == ChatSettings().engine
 
 
 def test_context_choices_capped_by_the_model(dialog):
     d = dialog(max_ctx=8192)
     values = [d.context_length.itemData(i) for i in range(d.context_length.count())]
     assert max(values) == 8192 and 2048 in values
+
+
+# ---------------------------------------------------------------- generated from the options
+
+GPU = {"triton": True, "cuda": True, "device_name": "NVIDIA H100", "reason": "", "backend": "triton",
+       "device": "cuda"}
+
+
+def test_switches_are_generated_from_the_options(dialog):
+    d = dialog(caps=GPU)
+    fields = [f for f in switch_fields() if f.name != "timing"]
+    assert list(d.switches) == [f.name for f in fields]
+    for f in fields:
+        box = d.switches[f.name]
+        assert box.text() == f.metadata["label"]
+        if box.isEnabled():
+            assert f.metadata["help"][1:40] in box.toolTip()
+            if f.metadata["measured"]:
+                assert f.metadata["measured"] in box.toolTip()
+    # the graph-only switch follows the graph box
+    d.switches["graph"].setChecked(False)
+    assert not d.switches["l2_state"].isEnabled() and d.switches["launch_cache"].isEnabled()
+
+
+def test_split_k_note_when_it_changes_nothing(dialog):
+    d = dialog(caps=dict(GPU, split_k_note="split-K: no shape splits on this GPU"))
+    assert not d.split_k_note.isHidden() and "no shape splits" in d.split_k_note.text()
+    assert "no shape splits" in d.switches["split_k"].toolTip()
+    assert dialog(caps=GPU).split_k_note.isHidden()
+
+
+def test_old_switch_keys_are_migrated(qsettings):
+    qsettings.setValue("engine/split_k", False)
+    qsettings.setValue("engine/launch_cache", "false")
+    s = load_settings(qsettings, MODEL)
+    assert s.engine["split_k"] is False and s.engine["launch_cache"] is False and s.engine["graph"]
+    save_settings(qsettings, s, MODEL)
+    assert not qsettings.contains("engine/split_k")
+    assert qsettings.value("engine/switches/split_k") in (False, "false")
+    assert load_settings(qsettings, MODEL).engine == s.engine
+
+
+def test_invalid_sampling_in_the_file_is_logged_and_dropped(qsettings, caplog):
+    qsettings.setValue("sampling/top_p", 5.0)
+    qsettings.setValue("sampling/repetition_penalty", -1)
+    qsettings.setValue("sampling/top_k", 40)
+    with caplog.at_level("WARNING", logger="tritonchat.settings"):
+        s = load_settings(qsettings, MODEL)
+    assert s.sampling.top_p == MODEL.top_p and s.sampling.repetition_penalty == MODEL.repetition_penalty
+    assert s.sampling.top_k == 40
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and any("sampling/top_p" in ln and "(0, 1]" in ln for ln in lines)
+
+
+def test_dialog_says_why_a_sampling_value_is_refused(dialog):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    d = dialog()
+    ok = d.buttons.button(QDialogButtonBox.StandardButton.Ok)
+    assert d.sampling_error.isHidden() and ok.isEnabled()
+    d.top_p.setValue(0.0)
+    assert not d.sampling_error.isHidden() and not ok.isEnabled()
+    assert d.sampling_error.text().startswith("Top-p must be in (0, 1]")
+    d.top_p.setValue(0.9)
+    assert d.sampling_error.isHidden() and ok.isEnabled()
+
+
+def test_model_picker(dialog, tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "config.json").write_text("{}")
+    d = dialog(ChatSettings(sampling=replace(MODEL), model="", recent_models=["/old/one"]))
+    items = [d.model_choice.itemData(i) for i in range(d.model_choice.count())]
+    assert items[0] == "" and "/old/one" in items and d.chosen_model() == ""
+    d.ask_folder = lambda: str(tmp_path)                  # no config.json: refused
+    d._model_activated(d.model_choice.count() - 1)
+    assert d.chosen_model() == "" and "not a model folder" in d.model_note.text()
+    d.ask_folder = lambda: str(good)
+    d._model_activated(d.model_choice.count() - 1)
+    out = d.settings()
+    assert out.model == str(good) and out.recent_models[:2] == [str(good), "/old/one"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tritonchat.app.store import (EXPORT_FORMAT, SCHEMA_VERSION, ChatStore, ChatStoreError,
-                                  stats_line)
+from tritonchat.app.stats_text import stats_line
+from tritonchat.app.store import EXPORT_FORMAT, SCHEMA_VERSION, ChatStore, ChatStoreError
 
 STATS = {"ttft_ms": 41.7, "prefill_tok_s": 5120.0, "decode_tok_s": 211.25, "new_tokens": 37,
          "stop_reason": "eos", "engine": {"backend": "triton", "split_k": True, "graph": False}}
@@ -285,6 +285,73 @@ def test_migration_from_v1(tmp_path: Path):
     assert schema_of(old) == schema_of(fresh)
 
 
+def test_migration_from_v2_builds_the_tree_and_finds_cut_off_answers(tmp_path: Path):
+    """v3: each turn's parent is the one before it; an answer v2 never finished (no stats)
+    is marked streaming, and recover_interrupted() marks it interrupted or drops it if empty."""
+    from tritonchat.app.store import MIGRATIONS
+
+    old = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(old)
+    for step in MIGRATIONS[:2]:
+        step(db)
+    db.execute("PRAGMA user_version = 2")
+    db.execute("INSERT INTO conversations VALUES (1, 'c', 0, 0)")
+    for i, (role, content, stats) in enumerate([("user", "q1", None), ("assistant", "a1", "{}"),
+                                                ("user", "q2", None), ("assistant", "cut", None),
+                                                ]):
+        db.execute("INSERT INTO messages (conv_id, role, content, created_at, stats)"
+                   " VALUES (1, ?, ?, ?, ?)", (role, content, float(i), stats))
+    db.execute("INSERT INTO conversations VALUES (2, 'e', 0, 0)")
+    db.execute("INSERT INTO messages (conv_id, role, content, created_at) VALUES (2, 'user', 'q', 0)")
+    db.execute("INSERT INTO messages (conv_id, role, content, created_at) VALUES (2, 'assistant', '', 1)")
+    db.commit()
+    db.close()
+    with ChatStore(old) as s:
+        msgs = s.messages(1)
+        assert [m.content for m in msgs] == ["q1", "a1", "q2", "cut"]
+        assert [m.parent_id for m in msgs] == [None, msgs[0].id, msgs[1].id, msgs[2].id]
+        assert msgs[3].streaming and not msgs[1].streaming
+        assert s.recover_interrupted() == [msgs[3].id]
+        assert s.messages(1)[-1].interrupted and [m.role for m in s.messages(2)] == ["user"]
+    fresh = tmp_path / "fresh.sqlite3"
+    ChatStore(fresh).close()
+    assert schema_of(old) == schema_of(fresh)
+
+
+def test_variants_select_delete_and_export(store: ChatStore):
+    c = store.create_conversation("v")
+    u = store.add_message(c, "user", "q")
+    a1 = store.add_message(c, "assistant", "one", stats={"stop_reason": "eos"})
+    a2 = store.add_message(c, "assistant", "two", parent_id=u, stats={"stop_reason": "eos"})
+    assert [m.content for m in store.messages(c)] == ["q", "two"]
+    assert store.variant_ids(a1) == [a1, a2]
+    store.select_variant(a1)
+    follow = store.add_message(c, "user", "after one")
+    assert [m.content for m in store.messages(c)] == ["q", "one", "after one"]
+    data = store.export_json(c)
+    second = data["messages"][1]
+    assert second["variant"] == 1 and [v["selected"] for v in second["variants"]] == [True, False]
+    assert second["variants"][1]["content"] == "two" and second["variants"][1]["messages"] == []
+    md = store.export_markdown(c)
+    assert "## Assistant (variant 1 of 2, selected)" in md and "Variant 2 of 2" in md
+    store.delete_messages_from(c, a1)                    # the branch goes, the other variant shows
+    assert [m.content for m in store.messages(c)] == ["q", "two"]
+    with pytest.raises(KeyError):
+        store.get_message(follow)
+
+
+def test_drafts_round_trip_and_go_with_their_conversation(store: ChatStore):
+    c = store.create_conversation()
+    store.set_draft(c, "half")
+    store.set_draft(None, "new chat")
+    assert store.draft(c) == "half" and store.draft(None) == "new chat"
+    store.set_draft(c, "")
+    assert store.draft(c) == ""
+    store.set_draft(c, "again")
+    store.delete_conversation(c)
+    assert store.draft(c) == "" and store.draft(None) == "new chat"
+
+
 def test_newer_schema_is_refused_untouched(tmp_path: Path):
     path = tmp_path / "future.sqlite3"
     db = sqlite3.connect(path)
@@ -353,29 +420,10 @@ def test_export_markdown(store: ChatStore):
     assert "It scatters." in md[start:end]
     assert md.count("</details>") == 1
     assert "```python\nprint('blue')\n```" in md
-    assert "*TTFT 42 ms · prefill 5120 tok/s · decode 211.2 tok/s · 37 tokens · stop: eos · " \
-           "triton · split-K on · CUDA Graph off*" in md
+    assert f"*{stats_line(STATS)}*" in md            # the chat view's line, word for word
+    assert "*TTFT 42 ms  ·  prefill 5,120 tok/s  ·  decode 211.2 tok/s  ·  37 tokens  ·  " \
+           "finished  ·  triton split-K on graph off*" in md
     assert md.endswith("\n")
-
-
-def test_stats_line_flat_and_empty():
-    assert stats_line(None) == ""
-    assert stats_line({}) == ""
-    flat = {"ttft_ms": 5.0, "decode_tok_s": 0.0, "new_tokens": 0, "stop_reason": "stopped",
-            "split_k": False, "graph": True}
-    assert stats_line(flat) == "TTFT 5 ms · 0 tokens · stop: stopped · split-K off · CUDA Graph on"
-    assert stats_line(dict(flat, l2_state=True)).endswith("CUDA Graph on · L2 states on")
-    assert stats_line(dict(flat, l2_state=True, context_ranges=False)).endswith(
-        "L2 states on · context ranges off")
-    # the reference backend runs none of the Triton switches: its export does not claim them
-    # the launch cache acts only without the graph, and is named only then
-    assert "launch cache" not in stats_line(dict(flat, launch_cache=True))
-    assert stats_line(dict(flat, graph=False, launch_cache=True)).endswith(
-        "CUDA Graph off · launch cache on")
-    ref = dict(flat, backend="reference", l2_state=True, context_ranges=True, launch_cache=False)
-    assert stats_line(ref) == "TTFT 5 ms · 0 tokens · stop: stopped · reference"
-    assert stats_line(dict(ref, backend="triton")).endswith(
-        "triton · split-K off · CUDA Graph on · L2 states on · context ranges on")
 
 
 def test_default_path_under_user_data_dir(monkeypatch, tmp_path: Path):

@@ -90,8 +90,13 @@ def test_context_meter(chat_input):
     assert chat_input.meter.maximum() == 32768 and chat_input.meter.value() == 1234
     assert chat_input.meter_label.text() == "1,234 / 32,768 tokens"
     assert "almost full" not in chat_input.meter.toolTip()
+    chat_input.set_context(30000, 32768)
+    assert "almost full" in chat_input.meter.toolTip() and not chat_input.over_context
     chat_input.set_context(40000, 32768)                    # over: the bar is full, the text says so
-    assert chat_input.meter.value() == 32768 and "almost full" in chat_input.meter.toolTip()
+    assert chat_input.meter.value() == 32768 and "too long to send" in chat_input.meter.toolTip()
+    assert chat_input.over_context
+    chat_input.set_context(500, 32768, exact=False)         # an estimate until the tokenizer counted
+    assert chat_input.meter_label.text() == "~500 / 32,768 tokens" and "estimated" in chat_input.meter.toolTip()
 
 
 # ---------------------------------------------------------------- conversation list

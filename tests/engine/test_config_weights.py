@@ -141,3 +141,50 @@ def test_missing_tensor(tmp_path):
     del t["model.language_model.layers.1.linear_attn.A_log"]
     save_file(t, str(p / "model.safetensors"))
     _raises(lambda: load_weights(p, load_config(p)), "A_log")
+
+
+@pytest.mark.parametrize("top, text, expected", [
+    (False, True, False), (True, False, True),      # both present: the top level wins, as in transformers
+    (None, True, True), (None, False, False), (None, None, False), (True, None, True),
+])
+def test_tie_word_embeddings_precedence(top, text, expected):
+    """#58.12: what transformers' Qwen3_5Config (the model's config) decides."""
+    from tests.fixtures.checkpoints import TINY_TEXT
+    raw_text = {k: v for k, v in TINY_TEXT.items() if k != "tie_word_embeddings"}
+    if text is not None:
+        raw_text["tie_word_embeddings"] = text
+    raw = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": raw_text}
+    if top is not None:
+        raw["tie_word_embeddings"] = top
+    assert parse_config(raw).tie_word_embeddings is expected
+    if top is not None:
+        from transformers import Qwen3_5Config
+        assert Qwen3_5Config(**{k: v for k, v in raw.items() if k != "architectures"}).tie_word_embeddings is expected
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_tensor_is_one_sentence_naming_it(tmp_path, value):
+    """#61.1: a local folder with no download record, damaged in a tensor the old check skipped."""
+    from safetensors.torch import load_file, save_file
+    p = make_tiny_checkpoint(tmp_path, with_tokenizer=False)
+    t = load_file(str(p / "model.safetensors"))
+    key = "model.language_model.layers.2.mlp.down_proj.weight"
+    t[key][3, 5] = value
+    save_file(t, str(p / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFilesError) as e:
+        load_weights(p, load_config(p), dtype=torch.bfloat16)
+    msg = str(e.value)
+    assert key in msg and "NaN or infinite" in msg and "\n" not in msg and msg.count(". ") == 0
+
+
+def test_first_non_finite_is_exact_and_cheap():
+    import time
+    from tritonchat.engine.weights import first_non_finite
+    ts = {f"w{k}": torch.randn(1 << 16).to(torch.bfloat16 if k % 2 else torch.float32) for k in range(64)}
+    assert first_non_finite(ts) is None
+    ts["w41"][7] = float("nan")
+    assert first_non_finite(ts) == "w41"
+    big = {"e": torch.randn(1 << 24, dtype=torch.bfloat16)}      # 16M values: the 0.8B embedding is 254M
+    start = time.perf_counter()
+    assert first_non_finite(big) is None
+    assert time.perf_counter() - start < 0.5
