@@ -9,7 +9,7 @@ Per layer l (hidden H = 1024, intermediate I = 3584, bf16 weights):
 
 Variants (``--variant a,b,...`` or ``--all``):
 
-  baseline          today's kernels: tritonchat.kernels.gemv.gemv_fused with the plans and
+  baseline          today's kernels: tritonchat.kernels.gemv.gemv with the plans and
                     prologue/epilogue options the engine uses (rms prologue + silu_mul, then
                     residual), PDL as the engine sets it, CUDA-graph captured.
   phase*            the persistent kernel's own code run one launch per operator (constexpr
@@ -390,7 +390,7 @@ class Variant:
 
 
 VARIANTS = [
-    Variant("baseline", "baseline", what="today's gemv_fused per operator, engine plans + PDL"),
+    Variant("baseline", "baseline", what="today's gemv per operator, engine plans + PDL"),
     Variant("phase", "phase", lookahead=1, what="this kernel, one launch per operator, PDL"),
     Variant("phase_l2", "phase", lookahead=1, pf=1,
             what="(b) per-op launches + prefetch.global.L2 of the next operator's weights"),
@@ -525,17 +525,18 @@ class Runner:
 
     # -------------------------------------------------------------------- baseline ----
     def _init_baseline(self):
+        from tritonchat.kernels import _common
         from tritonchat.kernels import gemv as Gm
         c = self.c
-        if self.is_cuda:
-            Gm.USE_PDL = os.environ.get("TRITONCHAT_PDL", "1") == "1"      # as the engine
-            Gm.PDL_EARLY = Gm.table_pdl_early()
+        # as the engine's defaults: PDL on, triggered after the wait (pdl_early off)
+        self.base_pdl = _common.pdl_mode(os.environ.get("TRITONCHAT_PDL", "1") == "1", False,
+                                         c.device)
         self.Gm = Gm
-        self.p_gu = Gm.fused_plan(c.I, c.H, "rms", "silu_mul")
-        self.p_d = Gm.fused_plan(c.H, c.I, "none", "residual")
+        self.p_gu = Gm.plan(c.I, c.H, "rms", "silu_mul")
+        self.p_d = Gm.plan(c.H, c.I, "none", "residual")
         n_p, n_c = 1, 1
         for p, n_out, silu in ((self.p_gu, c.I, True), (self.p_d, c.H, False)):
-            a, b = Gm.fused_scratch_numel(n_out, p, silu)
+            a, b = Gm.scratch_numel(n_out, p, silu)
             n_p, n_c = max(n_p, a), max(n_c, b)
         self.partials = torch.zeros(n_p, dtype=torch.float32, device=c.device)
         self.counters = torch.zeros(n_c, dtype=torch.int32, device=c.device)
@@ -543,7 +544,7 @@ class Runner:
     def _kw(self, p):
         return dict(split_k=p["split_k"], partials=self.partials, counters=self.counters,
                     block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
-                    persistent=p.get("persistent", 0))
+                    persistent=p.get("persistent", 0), pdl=self.base_pdl)
 
     # ------------------------------------------------------------------------ launch ----
     def _launch(self, s, phase, layer):
@@ -562,9 +563,9 @@ class Runner:
         if v.mode == "baseline":
             Gm = self.Gm
             for l in range(s * c.L, s * c.L + self.nl):
-                Gm.gemv_fused(c.h, c.wgu[l], c.act, norm_w=c.nw[l], eps=c.eps, silu_mul=True,
-                              **self._kw(self.p_gu))
-                Gm.gemv_fused(c.act, c.wd[l], c.h, residual=c.h, **self._kw(self.p_d))
+                Gm.gemv(c.h, c.wgu[l], c.act, norm_w=c.nw[l], eps=c.eps, silu_mul=True,
+                        **self._kw(self.p_gu))
+                Gm.gemv(c.act, c.wd[l], c.h, residual=c.h, **self._kw(self.p_d))
         elif v.mode == "phase":
             for l in range(self.nl):
                 self._launch(s, 0, l)

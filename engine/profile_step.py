@@ -96,7 +96,7 @@ def attribute_sites(sites: list[str], kernels: list[str]) -> Optional[list[str]]
 
 
 def per_site(events: list[tuple[str, float, float]], sites: list[str], steps: int) -> Optional[list[dict]]:
-    """Per call site (the engine's names: gemv_mlp_down, gdn_decode_core, ...), from `steps`
+    """Per call site (the engine's names: gemv_mlp_down, gdn_decode, ...), from `steps`
     steps of kernel events: its kernels' summed durations per step (overlap under programmatic
     dependent launch counted in each kernel) and its share of the critical path (each kernel's
     end minus the later of its start and the previous kernel's end: these shares sum to the
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     from torch.profiler import ProfilerActivity, profile
 
-    from tritonchat.kernels.tune_decode import replay_ms
+    from .tuning.decode import replay_ms
 
     from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config

@@ -141,7 +141,7 @@ class TritonBackend(Backend):
         self._progress = progress
         self._pack_weights(weights)
         self._allocate(options.max_context)
-        self._gdn_block_v = None                  # from the tuned table (gdn_decode_core default)
+        self._gdn_block_v = None                  # from the tuned table (gdn_decode default)
         self._graph = None                        # the decode graph last replayed
         self._graphs: Optional[list] = None       # one captured decode step per context range
         self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
@@ -308,16 +308,16 @@ class TritonBackend(Backend):
             if key in self._fplans:
                 return
             self._plan_names[key] = name
-            p = G.fused_plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
+            p = G.plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
             self._fplans[key] = p
-            rps = (G.fused_range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
+            rps = (G.range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
                                        split_k_enabled=enabled) if self._context_ranges else [])
             if rps:
                 # each plan from the previous range's bound (or 0) to its own
                 range_plans[key] = [(lo, below, rp) for lo, (below, rp)
                                     in zip([0] + [b for b, _ in rps], rps)]
             for q in [p] + [rp for _, rp in rps]:
-                np_, nc = G.fused_scratch_numel(n_out, q, epilogue == "silu_mul")
+                np_, nc = G.scratch_numel(n_out, q, epilogue == "silu_mul")
                 need_p, need_c = max(need_p, np_), max(need_c, nc)
 
         for L in self.layers:
@@ -429,19 +429,19 @@ class TritonBackend(Backend):
 
     def _gemv(self, name: str, x, W, out, prologue: str = "none", epilogue: str = "plain", **kw):
         """One fused decode GEMV (RMSNorm / gated-norm prologue; residual / SiLU*up / conv epilogue)."""
-        from tritonchat.kernels.gemv import gemv_fused
+        from tritonchat.kernels.gemv import gemv
         p = self._plans_now[(tuple(W.shape), prologue, epilogue)]
         nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
-        self._launch(name, nbytes, gemv_fused, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
+        self._launch(name, nbytes, gemv, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
                      counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
-                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), **kw)
+                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), pdl=self._pdl, **kw)
 
     def _layers_step(self) -> None:
         """All layers for the token whose embedding is in self.h, at position pos_buf.
         GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
         from tritonchat.kernels.attention_decode import (attention_decode, deferred_merge,
                                                          groups_deferrable)
-        from tritonchat.kernels.gdn_decode import gdn_decode_core
+        from tritonchat.kernels.gdn_decode import gdn_decode
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
             m = L.mixer
@@ -453,11 +453,12 @@ class TritonBackend(Backend):
                 # the recurrence, and in programs of the same launch z = in_proj_z @ norm(h)
                 # (needed only by the out_proj; its rows stream while the recurrence waits)
                 zb = m.z_w.numel() * m.z_w.element_size()
-                self._launch("gdn_decode_core", rec.numel() * 4 * 2 + zb, gdn_decode_core, self.gdn_proj,
+                self._launch("gdn_decode", rec.numel() * 4 * 2 + zb, gdn_decode, self.gdn_proj,
                              m.A_log, m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
                              num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
                              head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v,
-                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps)
+                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps,
+                             pdl=self._pdl)
                 self._gemv("gemv_gdn_out_proj_gatednorm", self.gdn_out, m.out_proj, self.h, "gated", "residual",
                            norm_w=m.norm_w, gate=self.gdn_z, head_dim=cfg.linear_value_head_dim,
                            eps=eps, residual=self.h)
@@ -486,7 +487,7 @@ class TritonBackend(Backend):
                              self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
                              m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, partials, counters,
                              num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, **a_kw)
+                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, pdl=self._pdl, **a_kw)
                 m_kw = {k: a_kw[k] for k in ("num_splits", "block_n", "merge_splits", "defer_groups")
                         if k in a_kw}
                 merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, partials, num_heads=H,
@@ -514,7 +515,7 @@ class TritonBackend(Backend):
                          block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
                          persistent=lm.get("persistent", 0), num_stages=lm.get("num_stages", 1),
                          evict=lm.get("evict", True), counts=self.counts, pos=pos,
-                         ring=self.tok_ring if advance else None)
+                         ring=self.tok_ring if advance else None, pdl=self._pdl)
         else:
             # (the greedy plan's persistent form was measured slower here, 0.646 against 0.618 ms)
             self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
@@ -528,7 +529,7 @@ class TritonBackend(Backend):
         """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
         from tritonchat.kernels.embedding import embedding_gather
         self._launch("embedding_gather", self.h.numel() * self.h.element_size() * 2, embedding_gather,
-                     self.tok_buf, self.embed, self.h.view(1, -1))
+                     self.tok_buf, self.embed, self.h.view(1, -1), pdl=self._pdl)
         self._layers_step()
         self._head_step(self._sampling_key == "sample", advance=True)
 
@@ -956,9 +957,8 @@ class TritonBackend(Backend):
     def _apply_pdl(self) -> None:
         # programmatic dependent launch (sm_90+; a no-op elsewhere): each GEMV starts streaming
         # its weights while the previous kernel finishes
-        from tritonchat.kernels import gemv as gemv_mod
-        gemv_mod.USE_PDL = self.options.pdl
-        gemv_mod.PDL_EARLY = self.options.pdl_early
+        from tritonchat.kernels._common import pdl_mode
+        self._pdl = pdl_mode(self.options.pdl, self.options.pdl_early, self.options.device)
 
     def set_max_context(self, n: int) -> None:
         self._drain()

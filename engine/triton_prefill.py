@@ -139,7 +139,7 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
         kc1 = cfg.linear_conv_kernel_dim - 1
         conv_idx = t_dev.long() + torch.arange(kc1, device=dev)
         in_old = (conv_idx < kc1)[None, :]
-    embedding_gather(ids, be.embed, h)
+    embedding_gather(ids, be.embed, h, pdl=be._pdl)
     for i, L in enumerate(be.layers):
         rms_norm(h, L.input_norm, eps, x)
         m = L.mixer

@@ -3,7 +3,7 @@
     python -m tritonchat.engine.tune_step --out kernels/decode_tuning.json [--budget-s 300]
         [--margin 0.01] [--only 6176x1024,gdn_core,lm_head] [--no-split-k] [--max-context 4096]
 
-`tritonchat.kernels.tune_decode` times every kernel alone; inside the step a kernel overlaps its
+`tritonchat.engine.tuning.decode` times every kernel alone; inside the step a kernel overlaps its
 neighbours (programmatic dependent launch lets the next kernel's programs prefetch weights while
 this one runs), so the fastest kernel alone is not always the fastest in the step. This tool
 builds the Triton engine at the true 0.8B shape on random weights, captures the decode step into
@@ -11,7 +11,7 @@ a CUDA graph and measures whole steps (graph replays back to back, the position 
 same value before every measurement so the attention work is identical). Then, one kernel at a
 time, it swaps that kernel's plan for each candidate, re-captures, and keeps a candidate only
 when the whole step gets faster by more than the noise margin (coordinate descent, two passes
-when the time budget allows). The PDL trigger point (gemv.PDL_EARLY) is measured both ways
+when the time budget allows). The PDL trigger point (the pdl_early option) is measured both ways
 first. The winners are written into the decode table (the launchers read it by key), each entry
 keeping its isolated `us` and the best direct (split_k = 1) form for "split-K off", and the file
 records the step time before and after.
@@ -32,7 +32,7 @@ KEEP_MARGIN = 0.99      # a candidate must cut the step by > 1% (then confirmed)
 
 def _step_ms(be, pos: int, reps: int = 5, n: int = 40) -> float:
     """Median ms of one decode step: graph replays back to back from position `pos`."""
-    from tritonchat.kernels.tune_decode import replay_ms
+    from .tuning.decode import replay_ms
 
     g = be.graph_for(pos)                       # captures (JIT first) if needed
     return statistics.median(replay_ms(g, n, before=lambda: be.pos_buf.fill_(pos))
@@ -94,16 +94,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune_step needs a CUDA GPU", file=sys.stderr)
         return 2
+    from tritonchat.kernels import _common
     from tritonchat.kernels import gemv as G
     from tritonchat.kernels import sampling as S
-    from tritonchat.kernels.tune_decode import lm_head_persistent_candidates
+    from .tuning.decode import lm_head_persistent_candidates
 
     from .options import EngineOptions, SamplingParams
     from .config import qwen35_08b_config
     from .loader import random_backend
 
     log = lambda s: print(s, flush=True)  # noqa: E731
-    out_path = args.out or G.DECODE_TABLE_PATH
+    out_path = args.out or _common.DECODE_TABLE_PATH
     t_start = time.time()
     cfg = qwen35_08b_config()
     be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     # split-K scratch for any candidate (the engine sizes it for the plans it holds)
     be.gemv_partials = torch.zeros(64 * 2 * 8224, device=be.device, dtype=torch.float32)
     be.gemv_counters = torch.zeros(8224, device=be.device, dtype=torch.int32)
-    table = G.decode_table()                     # the launchers' dict: edited in place
+    table = _common.decode_table()                     # the launchers' dict: edited in place
 
     def measure() -> float:
         be._invalidate_graph()
@@ -124,12 +125,12 @@ def main(argv=None) -> int:
     # 1. where a kernel lets the next one launch
     res = {}
     for early in (False, True):
-        G.PDL_EARLY = early
+        be.configure(pdl_early=early)
         res[early] = measure()
         log(f"PDL trigger {'at start' if early else 'after wait'}: {res[early]:.4f} ms/step")
-    G.PDL_EARLY = res[True] < res[False]
+    be.configure(pdl_early=res[True] < res[False])
     base = start_ms = min(res.values())
-    log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), PDL_EARLY={G.PDL_EARLY}")
+    log(f"start: {base:.4f} ms/step ({1e3 / base:.0f} tok/s), pdl_early={be.options.pdl_early}")
 
     def trial(label: str, apply, restore) -> bool:
         """Measure the step with `apply()`'s plan; keep it only if it beats the current one by
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
                 (rows, k), pro, epi = key
                 n_out = rows // 2 if epi == "silu_mul" else rows
                 hd = cfg.linear_value_head_dim if pro == "gated" else 0
-                name = G.fused_key(n_out, k, pro, epi)
+                name = G.plan_key(n_out, k, pro, epi)
                 if not wanted(name):
                     continue
                 for cand in _gemv_candidates(n_out, k, pro, hd, epi == "silu_mul"):
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         e.pop("us", None)           # isolated timings of the plan this one replaced
         e.pop("gb_s", None)
         e["chosen_in_step"] = True
-    data["in_step"] = {"pdl_early": bool(G.PDL_EARLY), "step_ms_before": round(start_ms, 4),
+    data["in_step"] = {"pdl_early": bool(be.options.pdl_early), "step_ms_before": round(start_ms, 4),
                        "step_ms_after": round(final, 4), "pos": args.pos, "margin": args.margin,
                        "only": only, "max_context": args.max_context,
                        "pdl_trigger_ms": {"after_wait": round(res[False], 4), "at_start": round(res[True], 4)},

@@ -33,6 +33,8 @@ round trip instead of the ticket's release/acquire and the merger's round trips)
 defer_groups as well, past D splits every split is in a group of MERGE: the group's last ticket
 merges the group and stores its partial, and the consumer merges the (at most D) group
 partials: no second ticket, no final merger.
+
+PyTorch reference: kernels/reference.py, section "attention_decode": attention_decode_ref.
 """
 from __future__ import annotations
 
@@ -43,11 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait)
 
-from . import gemv as _gemv
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
@@ -156,7 +156,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
                         MERGE_TOP: tl.constexpr, ONE_LEVEL: tl.constexpr, DEFER: tl.constexpr,
                         DEFER_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         PDL: tl.constexpr):
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     cdt = k_cache_ptr.dtype.element_ty
@@ -175,7 +175,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
     # so they are read before waiting for the q/k/v producer; mode 2 lets launches run further
     # ahead, so there everything is read after the wait.
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     p, per_split, n_active = split_layout(pos_ptr, NUM_SPLITS, BLOCK_N)
     n_tok = p + 1
     # splits past the end hold no position: they exit (and take no ticket)
@@ -189,7 +189,7 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
         qw, qwp = _row(wq2, 0), _row(wq2, 1)
         kw, kwp = _row(wk2, 0), _row(wk2, 1)
         if PDL != 2:
-            _gemv._pdl_wait(PDL)          # q/k/v come from the previous kernel
+            pdl_wait(PDL)          # q/k/v come from the previous kernel
 
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < GROUP
@@ -466,7 +466,7 @@ def attention_plan(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     defer_groups: 1 when past them it leaves the merge of the group partials too; any may be
     absent): measured in the captured step on the device, see decode_tuning.json.
     {} when the table has no entry (the sizes chosen in attention_decode apply)."""
-    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    e = decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     plan = {}
     for k in ("block_n", "num_warps", "num_stages", "defer_splits", "defer_groups"):
         try:
@@ -496,7 +496,7 @@ def attention_range_plans(num_heads: int, num_kv_heads: int,
     merge groups of 2 to MAX_DEFER splits (a merger holds a group at once), 1 to 4 splits an SM
     and 1 to 4 pipeline stages. (The engine captures one decode graph per range,
     engine/triton_backend.py.)"""
-    e = _gemv.decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
+    e = decode_table().get(f"attention:{int(num_heads)}x{int(num_kv_heads)}x{int(head_dim)}")
     if e is None or not isinstance(e.get("context_ranges"), list):
         return []
     out: dict[int, tuple[Optional[int], dict]] = {}
@@ -573,7 +573,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      num_splits: int, block_n: int | None = None,
                      merge_splits: int | None = None, one_level_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     defer_splits: int = 0, defer_groups: bool = False) -> torch.Tensor:
+                     defer_splits: int = 0, defer_groups: bool = False,
+                     pdl: int = 0) -> torch.Tensor:
     """One decode step of gated attention at the position held in `pos` (int32/int64 [1]).
 
     qg [H*2*hd] (per head: query then gate), k, v [Hkv*hd], q_norm_w, k_norm_w [hd],
@@ -588,13 +589,14 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     merge_splits), num_warps and num_stages (the software pipelining of the K/V tile loop)
     default to the decode table's plan for the shape (attention_plan), else to sizes chosen
     here. defer_splits = D > 0: at positions with at most D active splits the launch stops at
-    the split partials and leaves `out` alone; its consumer merges them (gemv_fused with
+    the split partials and leaves `out` alone; its consumer merges them (gemv with
     merge=DeferredMerge(...), the o_proj's prologue), which also applies the output gate.
     defer_groups (with defer_splits = D, when the merge groups number at most D: see
     groups_deferrable): past D active splits the launch merges each group of merge_splits
     splits (its last ticket) and stops at the group partials, which the consumer merges; so no
-    position writes `out` and the group mergers draw no second ticket.
-    Returns out."""
+    position writes `out` and the group mergers draw no second ticket. `pdl`: see
+    _common.pdl_mode. Returns out."""
+    pdl = check_pdl(pdl, "attention_decode")
     H, Hkv, hd, rot = int(num_heads), int(num_kv_heads), int(head_dim), int(rotary_dim)
     _expect(Hkv >= 1 and H % Hkv == 0, f"num_heads {H} must be a multiple of num_kv_heads {Hkv}")
     _expect(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim {rot} must be even and <= head_dim")
@@ -620,8 +622,8 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"partials must be contiguous float32 with >= {need_p} elements")
     for t, name in ((qg, "qg"), (k, "k"), (v, "v"), (q_norm_w, "q_norm_w"),
                     (k_norm_w, "k_norm_w"), (k_cache, "k_cache"), (out, "out")):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {_DTYPES}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"attention_decode: {name} dtype {t.dtype} not in {FLOAT_DTYPES}")
     need_c = counters_numel(Hkv, num_splits, merge)
     _expect(counters.dtype == torch.int32 and counters.is_contiguous()
             and counters.numel() >= need_c,
@@ -659,6 +661,6 @@ def attention_decode(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HD=hd, ROT=rot, GROUP=group, NUM_SPLITS=num_splits, NUM_HEADS=H, BLOCK_H=block_h,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MERGE=merge,
         MERGE_TOP=merge_top, ONE_LEVEL=one_level, DEFER=defer, DEFER_GROUPS=defer_groups,
-        DOT_PRECISION=dot_precision, PDL=_gemv.pdl_mode(qg.device), num_warps=num_warps,
-        **({"num_stages": int(num_stages)} if num_stages else {}), **_gemv._launch_kw(qg.device))
+        DOT_PRECISION=dot_precision, PDL=pdl, num_warps=num_warps,
+        **({"num_stages": int(num_stages)} if num_stages else {}), **launch_kw(pdl))
     return out

@@ -6,6 +6,8 @@ GEMVs at their best) and writes one fp32 sum per row, so no load can be dropped.
 reads faster than `torch.sum` over the same bytes (4.4 against 4.0-4.1 TB/s), so the bench takes
 the faster of the two (`read_rates_gb_s`) as the HBM read rate the decode roofline is measured
 against.
+
+PyTorch reference: torch.sum over the rows (the tests compare with it).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import cdiv, next_pow2
 
 ROW_SUMS_BLOCK_R = 8          # rows a program reads (8 x 1024 bf16 = 16 KB a program)
 

@@ -7,6 +7,8 @@ With seq = [conv_state^T | x] (the Kc-1 previous inputs, oldest first, then the 
 
 The sum is fp32 and rounded to the activation dtype before the SiLU (HF runs F.conv1d in the
 model dtype, then F.silu). The output is allocated by the caller.
+
+PyTorch reference: kernels/reference.py, section "conv1d": causal_conv1d_ref.
 """
 from __future__ import annotations
 
@@ -16,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
-from .gemm import tuned_config
+from .gemm import TUNING_PATH, tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONV_KEYS = ("BLOCK_T", "BLOCK_C", "ROW_TILES", "num_warps")
 
 
@@ -113,19 +114,21 @@ def conv_kernel_name(C: int, kc: int) -> str:
     return f"conv1d_C{C}_K{kc}"
 
 def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
-                  out: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
+                  out: torch.Tensor, *, config: Optional[dict] = None,
+                  table: Optional[str] = TUNING_PATH) -> torch.Tensor:
     """out = silu(causal depthwise conv of x continuing from conv_state); updates conv_state.
 
     x [T, C] (rows may be strided), w [C, Kc] contiguous, conv_state [C, Kc-1] contiguous in
     x's dtype, out [T, C] (rows may be strided, must not overlap x). Returns out.
-    `config` (CONV_KEYS) overrides the tile table: the tuner sweeps through it.
+    `config` (CONV_KEYS) overrides the tile table: the tuner sweeps through it. `table`: the
+    tile table file (gemm.TUNING_PATH; None: the built-in tiles only).
     """
     if x.dim() != 2 or w.dim() != 2 or conv_state.dim() != 2 or out.dim() != 2:
         raise ValueError("causal_conv1d expects x [T, C], w [C, Kc], conv_state [C, Kc-1], out [T, C]")
     T, C = x.shape
     kc = w.shape[1]
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"causal_conv1d supports {_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"causal_conv1d supports {FLOAT_DTYPES}, got {x.dtype}")
     if kc < 2:
         raise ValueError("conv kernel size must be >= 2")
     if tuple(w.shape) != (C, kc) or tuple(conv_state.shape) != (C, kc - 1):
@@ -146,7 +149,7 @@ def causal_conv1d(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
     if config is not None:
         cfg = dict(config)
     else:
-        cfg = tuned_config(conv_kernel_name(C, kc), T, CONV_KEYS) or _conv_default_config(T, C, kc)
+        cfg = tuned_config(conv_kernel_name(C, kc), T, CONV_KEYS, table) or _conv_default_config(T, C, kc)
     # tile 0 must cover every row that reads the old state (t < Kc-1)
     block_t = max(cfg["BLOCK_T"], next_pow2(kc - 1))
     rows_per_prog = block_t * cfg["ROW_TILES"]

@@ -17,6 +17,8 @@ rotates its queries on load. One attention program serves all GROUP = H / Hkv qu
 KV head (their rows stacked in one Q tile), so each K/V tile is loaded once per group; blocks
 past the diagonal are skipped, blocks before it run unmasked. The output is allocated by the
 caller.
+
+PyTorch reference: kernels/reference.py, section "flash_attention": attention_prefill_ref.
 """
 from __future__ import annotations
 
@@ -27,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
-from .gemm import _check_rows, dot_precision, tuned_config
+from .gemm import TUNING_PATH, _check_rows, dot_precision, tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 # rows of the query tile normalised + rotated at a time (keeps the prologue out of spills)
 _PROLOGUE_ROWS = 16
@@ -252,7 +253,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
                       out: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
                       rotary_dim: int, rope_theta: float, eps: float,
-                      config: Optional[dict] = None) -> torch.Tensor:
+                      config: Optional[dict] = None,
+                      table: Optional[str] = TUNING_PATH) -> torch.Tensor:
     """Gated attention for T new tokens at positions start_pos.. (see module docstring).
     start_pos: an int, or a device int32 [1] the kernels read (for a captured prefill graph).
 
@@ -260,7 +262,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_norm_w, k_norm_w [hd], k_cache, v_cache [Hkv, max_ctx, hd] contiguous (written at the new
     positions), out [T, H*hd] (allocated by the caller). Returns out. `config` (ATTN_KEYS)
     overrides the tile table of the attention pass (BLOCK_M = rows of the stacked Q tile =
-    query tokens x next_power_of_2(H / Hkv)): the tuner sweeps through it.
+    query tokens x next_power_of_2(H / Hkv)): the tuner sweeps through it. `table`: the tile
+    table file (gemm.TUNING_PATH; None: the built-in tiles only).
     """
     H, Hkv, hd = num_heads, num_kv_heads, head_dim
     if min(H, Hkv, hd) <= 0 or H % Hkv:
@@ -271,8 +274,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("qg must be [T, num_heads*2*head_dim]")
     T = qg.shape[0]
     dt = qg.dtype
-    if dt not in _DTYPES:
-        raise TypeError(f"attention_prefill supports {_DTYPES}, got {dt}")
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"attention_prefill supports {FLOAT_DTYPES}, got {dt}")
     _check_rows("qg", qg, T, H * 2 * hd, dt)
     _check_rows("k", k, T, Hkv * hd, dt)
     _check_rows("v", v, T, Hkv * hd, dt)
@@ -318,7 +321,7 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if config is not None:
         cfg = dict(config)
     else:
-        cfg = (tuned_config(attention_kernel_name(H, Hkv, hd), T, ATTN_KEYS)
+        cfg = (tuned_config(attention_kernel_name(H, Hkv, hd), T, ATTN_KEYS, table)
                or _attention_config(T, hdp, group_p))
     block_m = cfg["BLOCK_M"]
     if block_m < 16 or block_m & (block_m - 1) or block_m < group_p:

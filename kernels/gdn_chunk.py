@@ -22,6 +22,8 @@ Three launches:
 Intermediates (W, U, decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA
 does; the state and every accumulation stay fp32. Scratch is allocated here; `out` and `state`
 come from the caller.
+
+PyTorch reference: kernels/reference.py, section "gdn_chunk": gdn_prefill_ref.
 """
 from __future__ import annotations
 
@@ -31,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
-from .gemm import dot_precision, tuned_config
+from .gemm import TUNING_PATH, dot_precision, tuned_config
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
 L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
@@ -235,7 +236,7 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
                 A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                 norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
                 head_k_dim: int, head_v_dim: int, eps: float, chunk: int = 64,
-                config: Optional[dict] = None) -> torch.Tensor:
+                config: Optional[dict] = None, table: Optional[str] = TUNING_PATH) -> torch.Tensor:
     """GDN core + gated RMSNorm for T prompt tokens, continuing from `state` (updated in place).
 
     qkv_conv [T, 2*Hk*dk + Hv*dv] (conv+SiLU output, [q | k | v]), z [T, Hv*dv], b, a [T, Hv]
@@ -243,7 +244,8 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller). Value head h uses key
     head h // (Hv // Hk). Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the
     activation dtype is allocated per call. Returns out. `config` (GDN_KEYS) overrides the
-    launch table: the tuner sweeps through it.
+    launch table: the tuner sweeps through it. `table`: the tile table file
+    (gemm.TUNING_PATH; None: the built-in configs only).
     """
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if min(hk, hv, dk, dv) <= 0 or hv % hk:
@@ -254,8 +256,8 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
         raise ValueError("qkv_conv must be [T, conv_dim]")
     T = qkv_conv.shape[0]
     act = qkv_conv.dtype
-    if act not in _DTYPES:
-        raise TypeError(f"gdn_prefill supports {_DTYPES}, got {act}")
+    if act not in FLOAT_DTYPES:
+        raise TypeError(f"gdn_prefill supports {FLOAT_DTYPES}, got {act}")
     _check_2d("qkv_conv", qkv_conv, T, 2 * hk * dk + hv * dv)
     _check_2d("z", z, T, hv * dv)
     _check_2d("b", b, T, hv)
@@ -286,7 +288,7 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     if config is not None:
         cfg = dict(config)
     else:
-        cfg = tuned_config(gdn_kernel_name(hv, dk, dv), T, GDN_KEYS) or _gdn_default_config(dkp, dvp)
+        cfg = tuned_config(gdn_kernel_name(hv, dk, dv), T, GDN_KEYS, table) or _gdn_default_config(dkp, dvp)
     bv = min(cfg["BV"], dvp)
     if bv < 16 or dvp % bv:
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")

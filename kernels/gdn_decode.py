@@ -1,29 +1,19 @@
-"""Gated DeltaNet decode: one fused kernel per layer for one token (spec sections 6 and 8).
+"""Gated DeltaNet decode: the delta-rule recurrence of one token (spec sections 6 and 8).
 
-Input `qkvz` is the merged projection [q | k | v | z] (conv channels first, conv_dim =
-2*Hk*dk + Hv*dv, then z [Hv*dv]); `ba` = [b (Hv) | a (Hv)]. Per key head group:
+The layer's other operators are fused into the GEMVs around it (kernels/gemv.py): the causal
+conv update + SiLU into the in_proj's epilogue, the gated RMSNorm into the out_proj's
+prologue. What is left here, per value head h (key head h // (Hv/Hk)):
 
-    conv    c = round(sum_{j<Kc-1} w[:, j] state[:, j] + w[:, -1] m);  x = round(silu(c))
-            state <- [state[:, 1:] | m]                       (oldest first)
-    split   q, k (key head), v (value head) from x
     norms   q = q / sqrt(|q|^2 + 1e-6) * dk^-0.5;  k = k / sqrt(|k|^2 + 1e-6)      fp32
     gates   beta = round(sigmoid(b));  g = -exp(A_log) * softplus(a + dt_bias)   (threshold 20)
     delta   S = exp(g) S;  r = S^T k;  d = beta (v - r);  S += k d^T;  o = S^T q    fp32 state
-    output  o = round(o);  n = round(o * rsqrt(mean(o^2) + eps));  y = round(w n silu(z))
+    output  o = round(o)
 
-`round` is a rounding to the activation dtype, placed where HF rounds (conv output, SiLU
-output, beta, the GDN core output, the normalised output), so a prefill that follows HF hands
-over to this kernel without a seam.
+`round` is a rounding to the activation dtype, placed where HF rounds, so a prefill that
+follows HF hands over to this kernel without a seam. dk and dv are compile-time constants (one
+compile per model), so exact head sizes drop every mask.
 
-Work layout: ONE program per key head, looping over the Hv/Hk value heads that share it. A
-program therefore is the only reader and writer of its q/k conv channels (and of the v
-channels and state of its value heads), so the conv state is shifted exactly once without any
-cross-program ordering and the whole layer is a single launch. The gated RMSNorm needs the full
-dv-wide output of a head, which also rules out splitting dv across programs. The price is a
-grid of Hk programs (16 for the 0.8B model), each streaming its [dk, dv] fp32 state in and out
-once (64 KiB each way at dk = dv = 128). dk and dv are compile-time constants (one compile per
-model), so exact head sizes drop every mask and the state moves in 16-byte vectors; at 16 warps
-the 128 x 128 tile compiles for sm_90 with ~110 registers and no spills.
+PyTorch reference: kernels/reference.py, section "gdn_decode": gdn_decode_ref (gdn_mixer_ref: the whole GDN layer's token step).
 """
 from __future__ import annotations
 
@@ -31,39 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait)
 
-from . import gemv as _gemv
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 L2NORM_EPS = 1e-6          # HF l2norm: inside the sqrt, added to the sum of squares
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this, as torch.nn.functional.softplus
-
-
-@triton.jit
-def _conv_token(qkvz_ptr, conv_state_ptr, conv_w_ptr, chans, mask, KW: tl.constexpr):
-    """One causal depthwise conv step on `chans` + SiLU; shifts the conv state of those
-    channels. Returns the activation-rounded output as fp32."""
-    act = qkvz_ptr.dtype.element_ty
-    c = chans.to(tl.int64)
-    m_new = tl.load(qkvz_ptr + c, mask=mask, other=0.0)
-    acc = tl.zeros(chans.shape, dtype=tl.float32)
-    for j in tl.static_range(KW - 1):
-        s_j = tl.load(conv_state_ptr + c * (KW - 1) + j, mask=mask, other=0.0)
-        w_j = tl.load(conv_w_ptr + c * KW + j, mask=mask, other=0.0)
-        acc += s_j.to(tl.float32) * w_j.to(tl.float32)
-    w_last = tl.load(conv_w_ptr + c * KW + (KW - 1), mask=mask, other=0.0)
-    acc += m_new.to(tl.float32) * w_last.to(tl.float32)
-    conv = acc.to(act).to(tl.float32)
-    x = (conv * tl.sigmoid(conv)).to(act).to(tl.float32)
-    # every read of the old state above happens before the shift below rewrites it
-    tl.debug_barrier()
-    for j in tl.static_range(KW - 2):
-        nxt = tl.load(conv_state_ptr + c * (KW - 1) + (j + 1), mask=mask, other=0.0)
-        tl.store(conv_state_ptr + c * (KW - 1) + j, nxt, mask=mask)
-    tl.store(conv_state_ptr + c * (KW - 1) + (KW - 2),
-             m_new.to(conv_state_ptr.dtype.element_ty), mask=mask)
-    return x
 
 
 @triton.jit
@@ -76,119 +38,13 @@ def _softplus(x, THRESHOLD: tl.constexpr):
     return tl.where(x > THRESHOLD, x, lp)
 
 
-@triton.jit
-def _gdn_decode_kernel(qkvz_ptr, ba_ptr, conv_state_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
-                       state_ptr, norm_w_ptr, out_ptr, eps, q_scale,
-                       HK, HV, DK: tl.constexpr, DV: tl.constexpr,
-                       KW: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                       L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr):
-    hk = tl.program_id(0)
-    act = qkvz_ptr.dtype.element_ty
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    mk = offs_k < DK
-    mv = offs_v < DV
-    key_dim = HK * DK
-    conv_dim = 2 * key_dim + HV * DV
-
-    # q and k of this key head: conv + SiLU once, then L2 norm in fp32
-    q = _conv_token(qkvz_ptr, conv_state_ptr, conv_w_ptr, hk * DK + offs_k, mk, KW)
-    k = _conv_token(qkvz_ptr, conv_state_ptr, conv_w_ptr, key_dim + hk * DK + offs_k, mk, KW)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
-
-    s_offs = offs_k.to(tl.int64)[:, None] * DV + offs_v[None, :]
-    s_mask = mk[:, None] & mv[None, :]
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        v = _conv_token(qkvz_ptr, conv_state_ptr, conv_w_ptr, 2 * key_dim + h * DV + offs_v,
-                        mv, KW)
-        b = tl.load(ba_ptr + h).to(tl.float32)
-        a = tl.load(ba_ptr + HV + h).to(tl.float32)
-        beta = tl.sigmoid(b).to(ba_ptr.dtype.element_ty).to(tl.float32)
-        a_dt = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-        g_log = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a_dt, SP_THRESHOLD)
-        decay = tl.exp(g_log)
-
-        # the delta rule on the fp32 state [dk, dv] of value head h: read once, written once
-        s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + s_offs
-        S = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay
-        pred = tl.sum(S * k[:, None], axis=0)                 # S^T k
-        delta = beta * (v - pred)
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)                    # read with the updated state
-        tl.store(s_ptrs, S, mask=s_mask)
-
-        # gated RMSNorm of this head (norm before gate), padded lanes are exact zeros
-        o = o.to(act).to(tl.float32)
-        n = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(act).to(tl.float32)
-        w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
-        z = tl.load(qkvz_ptr + conv_dim + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-        y = w * n * (z * tl.sigmoid(z))
-        tl.store(out_ptr + h * DV + offs_v, y.to(out_ptr.dtype.element_ty), mask=mv)
-
-
 def _expect(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError("gdn_decode: " + msg)
 
 
-def gdn_decode(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor,
-               conv_w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               state: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, *,
-               num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-               eps: float, num_warps: int | None = None) -> torch.Tensor:
-    """One decode step of a Gated DeltaNet layer (conv update, gates, delta rule, gated norm).
-
-    qkvz [conv_dim + Hv*dv] (= [q | k | v | z]), ba [2*Hv] (= [b | a]), conv_state
-    [conv_dim, Kc-1] and conv_w [conv_dim, Kc] (both contiguous; a [conv_dim, 1, Kc] conv
-    weight may be passed as is), A_log, dt_bias [Hv], state [Hv, dk, dv] float32, norm_w [dv],
-    out [Hv*dv] in qkvz's dtype. conv_state and state are updated in place. Returns out."""
-    hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
-    _expect(hk >= 1 and hv >= hk and hv % hk == 0,
-            f"num_v_heads ({hv}) must be a multiple of num_k_heads ({hk})")
-    conv_dim = 2 * hk * dk + hv * dv
-    if conv_w.dim() == 3 and conv_w.shape[1] == 1:
-        conv_w = conv_w.view(conv_w.shape[0], conv_w.shape[2])      # depthwise nn.Conv1d layout
-    _expect(conv_w.dim() == 2 and conv_w.shape[0] == conv_dim and conv_w.is_contiguous(),
-            f"conv_w must be a contiguous [{conv_dim}, Kc] matrix, got {tuple(conv_w.shape)}")
-    kw = conv_w.shape[1]
-    _expect(kw >= 2, "the conv kernel must be at least 2 wide")
-    _expect(tuple(conv_state.shape) == (conv_dim, kw - 1) and conv_state.is_contiguous(),
-            f"conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix, "
-            f"got {tuple(conv_state.shape)}")
-    _expect(qkvz.numel() == conv_dim + hv * dv and qkvz.is_contiguous(),
-            f"qkvz must be a contiguous vector of {conv_dim + hv * dv}, got {tuple(qkvz.shape)}")
-    _expect(ba.numel() == 2 * hv and ba.is_contiguous(), f"ba must hold {2 * hv} values")
-    _expect(tuple(state.shape) == (hv, dk, dv) and state.is_contiguous()
-            and state.dtype == torch.float32,
-            f"state must be a contiguous float32 [{hv}, {dk}, {dv}] tensor")
-    _expect(A_log.numel() == hv and dt_bias.numel() == hv, f"A_log and dt_bias must hold {hv}")
-    _expect(norm_w.numel() == dv and norm_w.is_contiguous(), f"norm_w must hold {dv} values")
-    _expect(out.numel() == hv * dv and out.is_contiguous(), f"out must hold {hv * dv} values")
-    for t, name in ((qkvz, "qkvz"), (ba, "ba"), (conv_state, "conv_state"), (conv_w, "conv_w"),
-                    (A_log, "A_log"), (dt_bias, "dt_bias"), (norm_w, "norm_w"), (out, "out")):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"gdn_decode: {name} dtype {t.dtype} not in {_DTYPES}")
-        _expect(t.device == state.device, f"{name} is not on the state's device")
-
-    block_k = next_pow2(dk)
-    block_v = next_pow2(dv)
-    if num_warps is None:
-        # ~32 fp32 state elements per thread
-        num_warps = max(4, min(16, block_k * block_v // 1024))
-    _gdn_decode_kernel[(hk,)](
-        qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, out,
-        float(eps), float(dk) ** -0.5, hk, hv, DK=dk, DV=dv,
-        KW=kw, GROUP=hv // hk, BLOCK_K=block_k, BLOCK_V=block_v,
-        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
-    return out
-
-
 # ------------------------------------------------------------------------------------------
-# v2: the recurrence alone, split over value tiles (the conv lives in the in_proj epilogue,
-# the gated norm in the out_proj prologue)
+# the recurrence, split over value tiles
 # ------------------------------------------------------------------------------------------
 #
 #   proj = [x = conv output q|k|v (conv_dim) | z (Hv*dv) | b (Hv) | a (Hv)]
@@ -206,7 +62,7 @@ def gdn_decode(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor,
 #   while the in_proj drains and the recurrence tiles wait for it.
 
 @triton.jit
-def _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
+def _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
                    HK, HV, BA_OFF, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                    L2_EPS: tl.constexpr, SP_THRESHOLD: tl.constexpr, PDL: tl.constexpr):
@@ -228,12 +84,12 @@ def _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, 
               + offs_v[None, :])
     s_mask = mk[:, None] & mv[None, :]
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     S = tl.load(s_ptrs, mask=s_mask, other=0.0)
     dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)          # parameters: no kernel writes them
     a_log = tl.load(A_log_ptr + h).to(tl.float32)
     if PDL != 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
 
     # every load of the producer's output issued before the first value that waits on one
     q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -277,7 +133,7 @@ def _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, eps, zp, Z_ROWS: tl.constexpr, ZK: t
                 mask=rm[:, None] & km[None, :], other=0.0, eviction_policy="evict_first")
     nw = tl.load(znw_ptr + ks, mask=km, other=0.0)
     if PDL == 2:
-        _gemv._pdl_wait(PDL)
+        pdl_wait(PDL)
     v = tl.load(zx_ptr + ks, mask=km, other=0.0)
     xf = v.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / ZK + eps)
@@ -287,7 +143,7 @@ def _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, eps, zp, Z_ROWS: tl.constexpr, ZK: t
 
 
 @triton.jit
-def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale,
+def _gdn_decode_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale,
                      zw_ptr, zx_ptr, znw_ptr, z_ptr, z_eps,
                      HK, HV, BA_OFF, N_Z, DK: tl.constexpr, DV: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -296,7 +152,7 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
                      BLOCK_ZK: tl.constexpr, Z_FIRST: tl.constexpr):
     # Z_ROWS > 0: N_Z programs of the z GEMV, first in the grid (Z_FIRST) or last; the others
     # are the (value head, value tile) programs of the recurrence
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if Z_ROWS > 0:
         if Z_FIRST:
@@ -309,15 +165,15 @@ def _gdn_core_kernel(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
             _z_rows(zw_ptr, zx_ptr, znw_ptr, z_ptr, z_eps, zp, Z_ROWS, ZK, BLOCK_ZN, BLOCK_ZK,
                     PDL)
         else:
-            _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
+            _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
                            HK, HV, BA_OFF, DK, DV, GROUP, BLOCK_K, BLOCK_V, L2_EPS, SP_THRESHOLD,
                            PDL)
     else:
-        _gdn_core_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, pid,
+        _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, pid,
                        HK, HV, BA_OFF, DK, DV, GROUP, BLOCK_K, BLOCK_V, L2_EPS, SP_THRESHOLD, PDL)
 
 
-def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
+def default_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) -> int:
     """Default BLOCK_V: about target_programs programs, tiles of 16..next_pow2(dv) columns
     (decode_tuning.json overrides it)."""
     full = next_pow2(int(head_v_dim))
@@ -325,9 +181,8 @@ def core_block_v(head_v_dim: int, num_v_heads: int, target_programs: int = 128) 
     return min(full, max(16, full // tiles))
 
 
-def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
+def _plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
     """(block_v, num_warps, z_block_n, z_first) from the decode table, else the defaults."""
-    from .gemv import decode_table
     e = decode_table().get(f"gdn_core:{hv}x{dk}x{dv}")
     bv = next_pow2(dv)
     z_bn, z_first = 2, True          # measured best in the 0.8B step (decode_tuning.json)
@@ -340,21 +195,21 @@ def _core_plan(hv: int, dk: int, dv: int) -> tuple[int, int, int, bool]:
             return min(int(e["block_v"]), bv), int(e["num_warps"]), z_bn, z_first
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
-    block_v = core_block_v(dv, hv)
+    block_v = default_block_v(dv, hv)
     return block_v, max(1, min(8, next_pow2(dk) * block_v // 512)), z_bn, z_first
 
 
-def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+def gdn_decode(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     state: torch.Tensor, o_out: torch.Tensor, *, num_k_heads: int,
                     num_v_heads: int, head_k_dim: int, head_v_dim: int,
                     block_v: int | None = None, num_warps: int | None = None,
                     z_weight: torch.Tensor | None = None, z_x: torch.Tensor | None = None,
                     z_norm_w: torch.Tensor | None = None, z_out: torch.Tensor | None = None,
                     z_eps: float = 1e-6, z_block_n: int | None = None,
-                    z_first: bool | None = None) -> torch.Tensor:
+                    z_first: bool | None = None, pdl: int = 0) -> torch.Tensor:
     """The delta-rule step of one GDN token on the fused in_proj output.
 
-    proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv_fused with the
+    proj [conv_dim + Hv*dv + 2*Hv] = [conv output q|k|v | z | b | a] (what gemv with the
     conv epilogue writes), A_log, dt_bias [Hv], state float32 [Hv, dk, dv] (updated in place),
     o_out [Hv*dv] (the core output, rounded to o_out.dtype; the gated norm is the out_proj
     prologue's). Returns o_out.
@@ -365,21 +220,23 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     needed before the out_proj and its programs need nothing from the in_proj, so its weights
     stream while the in_proj drains and the recurrence waits (the in_proj reads a quarter fewer
     bytes). Grid: cdiv(Hv*dv, z_block_n) z programs and Hv * cdiv(dv, block_v) recurrence
-    tiles, the z programs first unless z_first is False (both from the decode table)."""
+    tiles, the z programs first unless z_first is False (both from the decode table). `pdl`:
+    see _common.pdl_mode."""
     hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
+    pdl = check_pdl(pdl, "gdn_decode")
     _expect(hk >= 1 and hv >= hk and hv % hk == 0,
             f"num_v_heads ({hv}) must be a multiple of num_k_heads ({hk})")
     conv_dim = 2 * hk * dk + hv * dv
     with_z = z_weight is not None
     ba_off = conv_dim if with_z else conv_dim + hv * dv
     n_proj = ba_off + 2 * hv
-    _expect(proj.numel() == n_proj and proj.is_contiguous() and proj.dtype in _DTYPES,
+    _expect(proj.numel() == n_proj and proj.is_contiguous() and proj.dtype in FLOAT_DTYPES,
             f"proj must be a contiguous float vector of {n_proj}, got {tuple(proj.shape)}")
     _expect(tuple(state.shape) == (hv, dk, dv) and state.is_contiguous()
             and state.dtype == torch.float32,
             f"state must be a contiguous float32 [{hv}, {dk}, {dv}] tensor")
     _expect(A_log.numel() == hv and dt_bias.numel() == hv, f"A_log and dt_bias must hold {hv}")
-    _expect(o_out.numel() == hv * dv and o_out.is_contiguous() and o_out.dtype in _DTYPES,
+    _expect(o_out.numel() == hv * dv and o_out.is_contiguous() and o_out.dtype in FLOAT_DTYPES,
             f"o_out must be a contiguous float vector of {hv * dv}")
     for t, name in ((proj, "proj"), (A_log, "A_log"), (dt_bias, "dt_bias"), (o_out, "o_out")):
         _expect(t.device == state.device, f"{name} is not on the state's device")
@@ -388,17 +245,17 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
         _expect(z_x is not None and z_norm_w is not None and z_out is not None,
                 "the z programs need z_weight, z_x, z_norm_w and z_out together")
         _expect(z_weight.dim() == 2 and z_weight.shape[0] == hv * dv and z_weight.is_contiguous()
-                and z_weight.dtype in _DTYPES and z_weight.device == state.device,
+                and z_weight.dtype in FLOAT_DTYPES and z_weight.device == state.device,
                 f"z_weight must be a contiguous [{hv * dv}, K] float matrix on the state's device")
         zk = int(z_weight.shape[1])
         for t, name, n in ((z_x, "z_x", zk), (z_norm_w, "z_norm_w", zk), (z_out, "z_out", hv * dv)):
-            _expect(t.numel() == n and t.is_contiguous() and t.dtype in _DTYPES
+            _expect(t.numel() == n and t.is_contiguous() and t.dtype in FLOAT_DTYPES
                     and t.device == state.device,
                     f"{name} must be a contiguous float vector of {n} on the state's device")
     else:
         _expect(z_x is None and z_norm_w is None and z_out is None,
                 "z_x, z_norm_w and z_out need z_weight")
-    bv_plan, nw_plan, zbn_plan, zf_plan = _core_plan(hv, dk, dv)
+    bv_plan, nw_plan, zbn_plan, zf_plan = _plan(hv, dk, dv)
     block_v = int(block_v or bv_plan)
     num_warps = int(num_warps or nw_plan)
     z_block_n = int(z_block_n or zbn_plan)
@@ -407,13 +264,12 @@ def gdn_decode_core(proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tens
     _expect(z_block_n >= 1 and z_block_n & (z_block_n - 1) == 0, "z_block_n must be a power of 2")
     n_core = hv * cdiv(dv, block_v)
     n_z = cdiv(hv * dv, z_block_n) if with_z else 0
-    from .gemv import _launch_kw, pdl_mode
     zt = (z_weight, z_x, z_norm_w, z_out) if with_z else (proj,) * 4   # unused without z
-    _gdn_core_kernel[(n_z + n_core,)](
+    _gdn_decode_kernel[(n_z + n_core,)](
         proj, A_log, dt_bias, state, o_out, float(dk) ** -0.5, *zt, float(z_eps), hk, hv,
         ba_off, n_z, DK=dk, DV=dv, GROUP=hv // hk, BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
-        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl_mode(state.device),
+        L2_EPS=L2NORM_EPS, SP_THRESHOLD=SOFTPLUS_THRESHOLD, PDL=pdl,
         Z_ROWS=hv * dv if with_z else 0, ZK=zk, BLOCK_ZN=z_block_n,
         BLOCK_ZK=next_pow2(zk) if with_z else 1, Z_FIRST=z_first,
-        num_warps=num_warps, **_launch_kw(state.device))
+        num_warps=num_warps, **launch_kw(pdl))
     return o_out

@@ -7,13 +7,14 @@
 Accumulation is fp32 (`tl.dot`); the epilogue rounds where HF rounds (each projection output,
 SiLU(gate), the product) so the result matches a bf16 PyTorch model bit-for-bit up to the
 order of the K-sum. The output is allocated by the caller.
+
+PyTorch reference: kernels/reference.py, section "gemm": gemm_ref.
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, next_pow2
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Tile table measured on the device by `python -m tritonchat.kernels.tune_prefill`; every prefill
-# launcher falls back to its built-in table when the file (or an entry) is absent.
+# Tile table measured on the device by `python -m tritonchat.engine.tuning.prefill`; every prefill
+# launcher reads the file its `table` argument names (this one by default; None = none) and
+# falls back to its built-in table when the file (or an entry) is absent.
 TUNING_FILE = Path(__file__).with_name("prefill_tuning.json")
-TUNING_ENV = "TRITONCHAT_PREFILL_TUNING"
+TUNING_PATH = str(TUNING_FILE)
 # Prompt lengths the tables are measured at; a prompt takes the nearest one (log scale), and
 # prompts shorter than MIN_TUNED_T keep the built-in small-tile configs.
 T_BUCKETS = (128, 2048, 8192)
@@ -51,12 +52,14 @@ def _load_tuning(path: str) -> dict:
     return configs if isinstance(configs, dict) else {}
 
 
-def tuned_config(kernel: str, T: int, keys: tuple[str, ...]) -> Optional[dict]:
+def tuned_config(kernel: str, T: int, keys: tuple[str, ...],
+                 table: Optional[str] = TUNING_PATH) -> Optional[dict]:
     """The measured config for `kernel` (a name that includes the shape it was measured at) at
-    the bucket of T, or None. An entry must carry exactly `keys` as positive integers."""
-    if T < MIN_TUNED_T:
+    the bucket of T in the tile table file `table` (None: no table), or None. An entry must
+    carry exactly `keys` as positive integers."""
+    if T < MIN_TUNED_T or table is None:
         return None
-    entry = _tuned_entry(kernel, t_bucket(T), tuple(keys), os.environ.get(TUNING_ENV) or str(TUNING_FILE))
+    entry = _tuned_entry(kernel, t_bucket(T), tuple(keys), str(table))
     return dict(entry) if entry is not None else None
 
 
@@ -154,16 +157,19 @@ def gemm_kernel_name(N: int, K: int, residual: bool, silu_mul: bool) -> str:
     return f"gemm_{epi}_N{N}_K{K}"
 
 
-def _gemm_config(M: int, N: int, K: int, silu_mul: bool, residual: bool = False) -> dict:
-    """Measured tiles for this shape when the tuning table has them, else the built-in table."""
+def gemm_config(M: int, N: int, K: int, silu_mul: bool, residual: bool = False,
+                table: Optional[str] = TUNING_PATH) -> dict:
+    """The tiles gemm() launches this shape with: the tile table's (`table`, None: none) when it
+    has them, else the built-in table."""
     return dict(_gemm_config_cached(M, N, K, silu_mul, residual,
-                                    os.environ.get(TUNING_ENV) or str(TUNING_FILE)))
+                                    None if table is None else str(table)))
 
 
 @functools.lru_cache(maxsize=512)
-def _gemm_config_cached(M: int, N: int, K: int, silu_mul: bool, residual: bool, path: str) -> dict:
+def _gemm_config_cached(M: int, N: int, K: int, silu_mul: bool, residual: bool,
+                        table: Optional[str]) -> dict:
     # per (shape, table file): the launch path asks at every call (host time is TTFT here)
-    cfg = tuned_config(gemm_kernel_name(N, K, residual, silu_mul), M, GEMM_KEYS)
+    cfg = tuned_config(gemm_kernel_name(N, K, residual, silu_mul), M, GEMM_KEYS, table)
     return cfg if cfg is not None else _gemm_default_config(M, N, K, silu_mul)
 
 
@@ -204,15 +210,16 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int, dtype: torch.d
 
 def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
          residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
-         config: Optional[dict] = None) -> torch.Tensor:
+         config: Optional[dict] = None, table: Optional[str] = TUNING_PATH) -> torch.Tensor:
     """out = x @ W^T with optional fused epilogue (see module docstring); returns out.
 
     x [T, K], W [N, K] contiguous (nn.Linear layout), out [T, N] ([T, N/2] with silu_mul,
     gate rows first in W). Rows of x/out/residual may be strided (views into a wider buffer).
-    `config` (GEMM_KEYS) overrides the tile table: the tuner sweeps through it.
+    `config` (GEMM_KEYS) overrides the tile table: the tuner sweeps through it. `table`: the
+    tile table file (None: the built-in tiles only).
     """
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"gemm supports {_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"gemm supports {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() != 2 or W.dim() != 2:
         raise ValueError("gemm expects x [T, K] and W [N, K]")
     M, K = x.shape
@@ -235,7 +242,7 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     if M == 0:
         return out
     cfg = config if config is not None else _gemm_config_cached(
-        M, N, K, silu_mul, residual is not None, os.environ.get(TUNING_ENV) or str(TUNING_FILE))
+        M, N, K, silu_mul, residual is not None, None if table is None else str(table))
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     res = residual if residual is not None else out
     _gemm_kernel[grid](

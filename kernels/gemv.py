@@ -1,8 +1,10 @@
-"""Decode GEMV (batch 1, one token): out = W @ x with W [N, K] row-major (nn.Linear layout).
+"""Decode GEMV (batch 1, one token): out = W @ x with W [N, K] row-major (nn.Linear layout),
+with the neighbouring operators fused in (see the block comment above the kernels):
 
-    plain      out[n] = sum_k W[n, k] x[k]
-    residual   out[n] = residual[n] + sum_k W[n, k] x[k]            (out may alias residual)
-    silu_mul   out[i] = silu(g_i) * u_i,  g = Wg x, u = Wu x,  W = [Wg; Wu]  ([2I, K] -> [I])
+    prologue   none | zero-centred RMSNorm of x | gated RMSNorm per value head | the attention's
+               deferred split merge
+    epilogue   plain | + residual (out may alias residual) | silu(Wg x) * (Wu x) for W = [Wg; Wu]
+               | the GDN causal-conv update of the first conv_dim rows
 
 Accumulation is fp32 and the epilogue rounds ONCE to out.dtype (the residual add and the SiLU
 product happen on the fp32 sums).
@@ -11,21 +13,18 @@ Decode is memory-bound (every weight byte is read once per token), so a program 
 rows and streams them along K in [BLOCK_N, BLOCK_K] tiles: multiply by the broadcast x and keep
 a 2-D fp32 accumulator, reduced over K once at the end (`tl.dot` needs M >= 16). K-contiguous
 rows and power-of-two BLOCK_K give 16-byte vector loads; W is read with `evict_first` (read
-once), x with `evict_last` (every program reads it).
+once), x with `evict_last` (every program reads it). Split-K adds a grid axis over K ranges for
+the shapes whose row grid is too small to fill the GPU, reduced in-kernel in a fixed order (no
+atomics on the data: bit-reproducible run to run).
 
-Split-K (`split_k > 1`) adds a grid axis over K ranges for the shapes whose row grid is too
-small to fill the GPU; each split writes an fp32 partial row into the caller's `partials`
-buffer and a second kernel sums the splits in a fixed order and applies the epilogue. No
-atomics, so the result is bit-reproducible run to run.
+Block sizes come from `decode_tuning.json` (written by the decode tuners, engine/tuning/) keyed
+by shape, prologue and epilogue, with a heuristic fallback for other shapes; `plan()` is
+what the engine calls at load.
 
-Block sizes come from `gemv_splitk_table.json` (written by `tune_gemv.py` on the GPU) keyed by
-(N, K), with a heuristic fallback for other shapes; `plan()` is what the engine calls at load.
+PyTorch reference: kernels/reference.py, section "gemv": gemv_ref (and matvec_ref, the bare product).
 """
 from __future__ import annotations
 
-import json
-import os
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -33,267 +32,22 @@ import triton
 import triton.language as tl
 
 from . import attention_decode as _attn
-from .hostmath import cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait, sm_count)
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_splitk_table.json")
 # The fallback plans aim at this many programs (H200: 132 SMs, ~2 resident GEMV programs each).
 TARGET_PROGRAMS = 264
 MAX_SPLIT_K = 8
 
-
-# ------------------------------------------------------------------------------------------
-# kernels
-# ------------------------------------------------------------------------------------------
-
-@triton.jit
-def _load_tile(w_rows, x_ptr, ks, row_mask, k_ok, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """x[ks] (kept in cache for the other programs) and W[rows, ks] (streamed once) in fp32.
-    The masks are compile-time: an exactly tiled shape loads without any predicate."""
-    if MASK_K:
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
-        if MASK_N:
-            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-    else:
-        x = tl.load(x_ptr + ks, eviction_policy="evict_last")
-        if MASK_N:
-            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-    return x.to(tl.float32), w.to(tl.float32)
-
-
-@triton.jit
-def _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, k_lo, k_hi,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """sum_{k in [k_lo, k_hi)} W[rows, k] * x[k] in fp32; returns [BLOCK_N]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + offs_k
-        x, w = _load_tile(w_rows, x_ptr, ks, row_mask, ks < k_hi, MASK_N, MASK_K)
-        acc += w * x[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _gemv_rows_pair(x_ptr, w_ptr, rows, row_mask, up_offset, stride_w, K,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    """(W[rows] x, W[rows + up_offset] x): the gate and up rows of a merged [gate; up]
-    matrix in one K loop, so both row streams are in flight together and x is read once."""
-    offs_k = tl.arange(0, BLOCK_K)
-    g_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    u_rows = w_ptr + (rows + up_offset).to(tl.int64)[:, None] * stride_w
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < K
-        x, wg = _load_tile(g_rows, x_ptr, ks, row_mask, k_ok, MASK_N, MASK_K)
-        _, wu = _load_tile(u_rows, x_ptr, ks, row_mask, k_ok, MASK_N, MASK_K)
-        acc_g += wg * x[None, :]
-        acc_u += wu * x[None, :]
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
-
-
-@triton.jit
-def _gemv_direct_kernel(x_ptr, w_ptr, out_ptr, res_ptr, N_OUT, K, stride_w,
-                        HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    # One program = BLOCK_N output rows over the whole K, epilogue fused.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N_OUT
-    if SILU_MUL:
-        # up rows sit N_OUT rows below the gate rows of the merged [gate; up] matrix
-        gate, up = _gemv_rows_pair(x_ptr, w_ptr, rows, row_mask, N_OUT, stride_w, K,
-                                   BLOCK_N, BLOCK_K, MASK_N, MASK_K)
-        y = gate * tl.sigmoid(gate) * up
-    else:
-        y = _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, 0, K,
-                       BLOCK_N, BLOCK_K, MASK_N, MASK_K)
-    if HAS_RESIDUAL:
-        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _gemv_split_kernel(x_ptr, w_ptr, part_ptr, N_ROWS, K, stride_w, K_PER_SPLIT,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       MASK_N: tl.constexpr, MASK_K: tl.constexpr):
-    # Program (n, s): rows block n over K range s; fp32 partial into partials[s, rows].
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N_ROWS
-    k_lo = pid_s * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = _gemv_rows(x_ptr, w_ptr, rows, row_mask, stride_w, k_lo, k_hi,
-                     BLOCK_N, BLOCK_K, MASK_N, MASK_K)
-    tl.store(part_ptr + pid_s * N_ROWS + rows, acc, mask=row_mask)
-
-
-@triton.jit
-def _gemv_reduce_kernel(part_ptr, out_ptr, res_ptr, N_OUT, N_ROWS,
-                        SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
-    # Sum the splits in index order (deterministic), then the same epilogue as the direct form.
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = rows < N_OUT
-    y = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        y += tl.load(part_ptr + s * N_ROWS + rows, mask=m, other=0.0)
-        if SILU_MUL:
-            up += tl.load(part_ptr + s * N_ROWS + N_OUT + rows, mask=m, other=0.0)
-    if SILU_MUL:
-        y = y * tl.sigmoid(y) * up
-    if HAS_RESIDUAL:
-        y += tl.load(res_ptr + rows, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=m)
-
-
-# ------------------------------------------------------------------------------------------
-# plans: block sizes and split-K per (N, K)
-# ------------------------------------------------------------------------------------------
 
 def _expect(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
 
 
-@lru_cache(maxsize=1)
-def _table() -> dict:
-    """{(n, k): entry} from gemv_splitk_table.json; empty when the file is missing/broken."""
-    try:
-        with open(TABLE_PATH, "r", encoding="utf-8") as f:
-            data = json.load(f)
-        return {(int(e["n"]), int(e["k"])): e for e in data.get("entries", [])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def heuristic_plan(n: int, k: int, split_k_enabled: bool = True) -> dict:
-    """Fallback when (n, k) is not in the table: ~4K-element tiles, split-K only when the row
-    grid is short of TARGET_PROGRAMS and each split still gets at least two K-blocks."""
-    block_k = min(512, next_pow2(max(k, 16)))
-    block_n = max(1, min(64, 4096 // block_k, next_pow2(n)))
-    programs = cdiv(n, block_n)
-    split_k = 1
-    if split_k_enabled and programs < TARGET_PROGRAMS:
-        k_blocks = cdiv(k, block_k)
-        split_k = max(1, min(MAX_SPLIT_K, cdiv(TARGET_PROGRAMS, programs), k_blocks // 2))
-    return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
-
-
-def plan(n: int, k: int, split_k_enabled: bool = True) -> dict:
-    """Launch plan for a [n, k] weight: dict(split_k, block_n, block_k, num_warps).
-
-    Table entries carry the best split config (split_k, block_n, block_k, num_warps) and,
-    optionally, the best direct config (direct_block_n, direct_block_k, direct_num_warps) used
-    when split-K is switched off or not worth it."""
-    e = _table().get((int(n), int(k)))
-    if e is None:
-        return heuristic_plan(n, k, split_k_enabled)
-    split = int(e.get("split_k", 1))
-    if split_k_enabled and split > 1:
-        return dict(split_k=split, block_n=int(e["block_n"]), block_k=int(e["block_k"]),
-                    num_warps=int(e["num_warps"]))
-    if "direct_block_n" in e:
-        return dict(split_k=1, block_n=int(e["direct_block_n"]),
-                    block_k=int(e["direct_block_k"]), num_warps=int(e["direct_num_warps"]))
-    if split == 1:
-        return dict(split_k=1, block_n=int(e["block_n"]), block_k=int(e["block_k"]),
-                    num_warps=int(e["num_warps"]))
-    return heuristic_plan(n, k, split_k_enabled=False)
-
-
-def partials_numel(n_rows: int, split_k: int) -> int:
-    """fp32 elements of scratch a split-K launch needs (n_rows = rows of W)."""
-    return split_k * n_rows if split_k > 1 else 0
-
-
 # ------------------------------------------------------------------------------------------
-# launcher
+# kernels
 # ------------------------------------------------------------------------------------------
-
-def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *, split_k: int = 1,
-         partials: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-         silu_mul: bool = False, block_n: Optional[int] = None, block_k: Optional[int] = None,
-         num_warps: Optional[int] = None) -> torch.Tensor:
-    """out = W @ x [+ residual], or silu(Wg x) * (Wu x) for silu_mul; returns out.
-
-    x [K] or [1, K]; W [N, K] contiguous; out [N] or [1, N] ([N/2] for silu_mul) in any of
-    bf16/fp16/fp32; residual like out (may be out itself). split_k > 1 needs `partials`, a
-    contiguous fp32 tensor of at least split_k * N elements. Block sizes default to plan(N, K).
-    Never allocates, never syncs."""
-    _expect(W.dim() == 2 and W.is_contiguous(), "gemv: W must be a contiguous [N, K] matrix")
-    n_rows, K = W.shape
-    _expect(x.numel() == K and x.is_contiguous() and x.dim() in (1, 2),
-            f"gemv: x must be a contiguous [{K}] or [1, {K}] vector, got {tuple(x.shape)}")
-    n_out = n_rows // 2 if silu_mul else n_rows
-    _expect(not silu_mul or n_rows % 2 == 0, "gemv: silu_mul needs an even number of rows")
-    _expect(out.numel() == n_out and out.is_contiguous() and out.dim() in (1, 2),
-            f"gemv: out must be a contiguous [{n_out}] vector, got {tuple(out.shape)}")
-    for t, name in ((x, "x"), (W, "W"), (out, "out")):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"gemv: {name} dtype {t.dtype} not in {_DTYPES}")
-    _expect(x.device == W.device == out.device, "gemv: x, W, out on different devices")
-    if residual is not None:
-        _expect(residual.numel() == n_out and residual.is_contiguous()
-                and residual.device == out.device,
-                f"gemv: residual must be a contiguous [{n_out}] vector on out's device")
-    split_k = int(split_k)
-    _expect(1 <= split_k <= 64, "gemv: split_k must be in 1..64")
-
-    if block_n is None or block_k is None or num_warps is None:
-        p = plan(n_rows, K, split_k > 1)
-        block_n = block_n or p["block_n"]
-        block_k = block_k or p["block_k"]
-        num_warps = num_warps or p["num_warps"]
-    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv: block_n must be a power of 2")
-    _expect(block_k >= 16 and block_k & (block_k - 1) == 0,
-            "gemv: block_k must be a power of 2 >= 16")
-    has_res = residual is not None
-    res = residual if has_res else out      # dummy pointer, never read when HAS_RESIDUAL=False
-
-    if split_k == 1:
-        _gemv_direct_kernel[(cdiv(n_out, block_n),)](
-            x, W, out, res, n_out, K, W.stride(0),
-            HAS_RESIDUAL=has_res, SILU_MUL=bool(silu_mul), BLOCK_N=block_n, BLOCK_K=block_k,
-            MASK_N=n_out % block_n != 0, MASK_K=K % block_k != 0, num_warps=num_warps)
-        return out
-
-    _expect(partials is not None and partials.dtype == torch.float32
-            and partials.is_contiguous() and partials.numel() >= split_k * n_rows
-            and partials.device == out.device,
-            f"gemv: split_k={split_k} needs a contiguous float32 partials buffer of at least "
-            f"{split_k * n_rows} elements on out's device")
-    # every split starts on a BLOCK_K boundary, so only a ragged K needs the K mask
-    k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
-    _gemv_split_kernel[(cdiv(n_rows, block_n), split_k)](
-        x, W, partials, n_rows, K, W.stride(0), k_per_split,
-        BLOCK_N=block_n, BLOCK_K=block_k, MASK_N=n_rows % block_n != 0,
-        MASK_K=K % block_k != 0, num_warps=num_warps)
-    block_r = min(1024, next_pow2(n_out))
-    _gemv_reduce_kernel[(cdiv(n_out, block_r),)](
-        partials, out, res, n_out, n_rows, SPLIT_K=split_k, HAS_RESIDUAL=has_res,
-        SILU_MUL=bool(silu_mul), BLOCK=block_r, num_warps=4)
-    return out
-
-
-# ==========================================================================================
-# v2: fused decode GEMVs (norm prologue, conv / SiLU*mul / residual epilogue, in-kernel
-# split-K reduce, optional programmatic dependent launch)
-# ==========================================================================================
 #
 #   prologue  PRO_NONE     x = v
 #             PRO_RMS      x = round(v * rsqrt(mean(v^2) + eps) * (1 + w))          (zero-centred)
@@ -330,69 +84,6 @@ PRO_NONE, PRO_RMS, PRO_GATED, PRO_ATTN = 0, 1, 2, 4
 EPI_PLAIN, EPI_RESIDUAL, EPI_SILU_MUL, EPI_CONV = 0, 1, 2, 3
 _EPILOGUES = {"plain": EPI_PLAIN, "residual": EPI_RESIDUAL, "silu_mul": EPI_SILU_MUL,
               "conv": EPI_CONV}
-
-# Programmatic dependent launch (sm_90+): a PDL-launched kernel issues its weight loads (which no
-# kernel writes), then waits for the previous kernel (gdc_wait) before reading activations.
-# Off until the engine sets gemv.USE_PDL = True. Inactive under the interpreter and on GPUs older
-# than sm_90 whatever the flag says (see pdl_active()). PDL_EARLY picks when a kernel lets the
-# next one launch (gdc_launch_dependents): at its very start (the next kernel's programs become
-# resident and start their weight prefetch while this one still runs; its gdc_wait still waits
-# for this grid to finish and flush) or only after its own wait.
-USE_PDL = False
-PDL_EARLY = False
-
-
-@lru_cache(maxsize=16)
-def _sm90_plus(kind: str, index: Optional[int]) -> bool:
-    if kind != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-# read once: the eager decode path and the prefill ask pdl_active() twice per launch, and an
-# environment lookup there cost ~2 us a launch on the device's host
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def pdl_active(device: torch.device) -> bool:
-    """Whether kernels launched now on `device` use programmatic dependent launch (cheap: the
-    eager decode path asks at every launch)."""
-    if not USE_PDL or _INTERPRETER:
-        return False
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
-    return _sm90_plus(device.type, device.index)
-
-
-def pdl_mode(device: torch.device) -> int:
-    """The kernels' PDL constexpr: 0 off, 1 trigger the next kernel after the wait,
-    2 trigger it at kernel start (PDL_EARLY)."""
-    if not pdl_active(device):
-        return 0
-    return 2 if PDL_EARLY else 1
-
-
-def _launch_kw(device: torch.device) -> dict:
-    """Extra launch keywords: launch_pdl only when PDL is active (older Triton lacks it)."""
-    return {"launch_pdl": True} if pdl_active(device) else {}
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    # first statement of a PDL kernel: with mode 2 the next kernel may launch right away
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    # wait for the producer grid (and its memory) before touching activations
-    if PDL != 0:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        # let the next PDL-launched kernel start its own weight prefetch as SMs free up
-        tl.extra.cuda.gdc_launch_dependents()
-
 
 @triton.jit
 def _rms_inv(v_ptr, n, eps, BLOCK: tl.constexpr):
@@ -549,7 +240,7 @@ def _col(t, jj, j: tl.constexpr):
 
 
 @triton.jit
-def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2, s_nxt,
+def _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2, s_nxt,
                     EPI: tl.constexpr, KW: tl.constexpr):
     # r, w2, s2, s_nxt: _epi_pre's loads for these rows
     out_ty = out_ptr.dtype.element_ty
@@ -583,7 +274,7 @@ def _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r,
 
 
 @triton.jit
-def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+def _gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
                        conv_w_ptr, part_ptr, cnt_ptr,
                        N_OUT, K, stride_w, eps, K_PER_SPLIT, CONV_DIM,
                        PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
@@ -591,7 +282,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
                        ONE_X: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
                        PDL: tl.constexpr):
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     PAIR: tl.constexpr = EPI == 2
@@ -619,7 +310,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         h_hi = tl.minimum(h_lo + K_PER_SPLIT, n_heads)
         # first weight tile in flight before waiting for the producer kernel
         w0 = _w_load(g_rows, h_lo * DV + offs_k, row_mask, offs_k < DV, MASK_N, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         offs_d = tl.arange(0, BLOCK_X)
         for hh in range(h_lo, h_hi):
             base = hh * DV
@@ -646,7 +337,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         if PAIR:
             u0 = _w_load(u_rows, ks0, row_mask, ks0 < k_hi, MASK_N, MASK_K)
         nw0 = _nw_first(nw_ptr, ks0, ks0 < k_hi, PRO, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         x, inv_rms = _x_first(x_ptr, nw0, ks0, ks0 < k_hi, K, eps, PRO, MASK_K, BLOCK_X, ONE_X)
         acc += w0.to(tl.float32) * x[None, :]
         if PAIR:
@@ -665,7 +356,7 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                     CONV_DIM, EPI, KW, BLOCK_N)
     if SPLIT_K == 1:
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+        _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
     else:
         n_part = N_OUT * (2 if PAIR else 1)       # partial rows per split
@@ -687,13 +378,13 @@ def _fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state
                                   other=0.0, cache_modifier=".cg")
             r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                         CONV_DIM, EPI, KW, BLOCK_N)
-            _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
+            _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2,
                             s2, s_nxt, EPI, KW)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # ready to replay
 
 
 @triton.jit
-def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
+def _gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, conv_state_ptr,
                                   conv_w_ptr, ap_ptr, pos_ptr, N_OUT, K, stride_w, eps, CONV_DIM,
                                   PRO: tl.constexpr, EPI: tl.constexpr, DV: tl.constexpr,
                                   KW: tl.constexpr, NPROG: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -711,7 +402,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
     # same with the attention's heads (DV = head_dim; z_ptr = its q|gate projection, ap_ptr its
     # split partials, A_NS / A_BN / A_DEFER / A_MERGE / A_GROUPS its split count, tile,
     # defer_splits, merge group size and defer_groups).
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     PAIR: tl.constexpr = EPI == 2
     n_blocks = tl.cdiv(N_OUT, BLOCK_N)
@@ -726,7 +417,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         u_cur = _w_load(w_ptr + (rows + N_OUT).to(tl.int64)[:, None] * stride_w, ks, row_mask,
                         k_ok, True, MASK_K)
     # the first row block's epilogue inputs before the wait (PDL mode 1: their writers are
-    # complete; see _fused_gemv_kernel), the later blocks' one block ahead in the loop
+    # complete; see _gemv_kernel), the later blocks' one block ahead in the loop
     if PDL != 2:
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
                                     CONV_DIM, EPI, KW, BLOCK_N)
@@ -737,7 +428,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         dd = tl.arange(0, DV)
         off2 = tl.arange(0, NH)[:, None] * DV + dd[None, :]
         nw = tl.load(nw_ptr + dd, eviction_policy="evict_last").to(tl.float32)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         o2 = tl.load(x_ptr + off2, eviction_policy="evict_last")
         zf = tl.load(z_ptr + off2, eviction_policy="evict_last").to(tl.float32)
         act = o2.dtype
@@ -754,7 +445,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         # the position and the q|gate projection (two launches back) are final before the wait
         # in PDL mode 1: the split layout, and the gates when this launch merges
         if PDL == 2:
-            _pdl_wait(PDL)
+            pdl_wait(PDL)
         p_, per_split_, n_active = _attn.split_layout(pos_ptr, A_NS, A_BN)
         if A_GROUPS:
             merged = n_active > 0              # the split partials, or past A_DEFER the groups'
@@ -765,7 +456,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
             g = tl.load(z_ptr + hh * (2 * DV) + DV + dd, eviction_policy="evict_last")
             g = tl.sigmoid(g.to(tl.float32)).to(act).to(tl.float32)
         if PDL != 2:
-            _pdl_wait(PDL)
+            pdl_wait(PDL)
         if merged:
             o = _attn.merge_partials(ap_ptr, hh, dd, n_active, A_NS, NHA, DV, A_DEFER, A_MERGE,
                                      A_GROUPS)
@@ -775,7 +466,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         x = tl.reshape(xo, (BLOCK_K,))
     else:
         nw0 = _nw_first(nw_ptr, ks, k_ok, PRO, MASK_K)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         x, inv_rms = _x_first(x_ptr, nw0, ks, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
     if PDL == 2:
         r, w2, s2, s_nxt = _epi_pre(rows, row_mask, res_ptr, conv_state_ptr, conv_w_ptr,
@@ -797,7 +488,7 @@ def _fused_gemv_persistent_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, res_ptr,
         up = y
         if PAIR:
             up = tl.sum(u_cur.to(tl.float32) * x[None, :], axis=1)
-        _fused_epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
+        _epilogue(y, up, rows, row_mask, out_ptr, conv_state_ptr, CONV_DIM, r, w2, s2,
                         s_nxt, EPI, KW)
         w_cur = w_nxt
         u_cur = u_nxt
@@ -810,7 +501,7 @@ def gated_persistent_ok(k: int, head_dim: int) -> bool:
             and (k // head_dim) & (k // head_dim - 1) == 0)
 
 
-def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
+def heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: int = 0,
                          silu_mul: bool = False) -> dict:
     """Fallback launch plan for a fused GEMV: dict(split_k, block_n, block_k, num_warps)."""
     if prologue == "gated":
@@ -827,47 +518,7 @@ def fused_heuristic_plan(n_out: int, k: int, prologue: str = "none", head_dim: i
     return dict(split_k=split_k, block_n=block_n, block_k=block_k, num_warps=4)
 
 
-DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                 "decode_tuning.json")
-
-
-@lru_cache(maxsize=1)
-def decode_table() -> dict:
-    """{kernel key: entry} from decode_tuning.json (tune_decode.py); {} when absent/broken."""
-    try:
-        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            data = json.load(f)
-        return {str(e["key"]): e for e in data.get("entries", [])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-@lru_cache(maxsize=8)
-def _sm_count_cached(kind: str, index: int) -> int:
-    if kind == "cuda":
-        return int(torch.cuda.get_device_properties(index).multi_processor_count)
-    return 4        # the interpreter: a few "SMs", so tests cover programs striding over blocks
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of `device` (4 for a CPU device under the interpreter)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _sm_count_cached("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    return _sm_count_cached(device.type, 0)
-
-
-def table_pdl_early() -> bool:
-    """The PDL trigger point the in-step tuner measured best (engine/tune_step.py), else False
-    (trigger after the wait: measured 8-9% faster in the step on the H200)."""
-    try:
-        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            return bool(json.load(f).get("in_step", {}).get("pdl_early", False))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return False
-
-
-def fused_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
+def plan_key(n_out: int, k: int, prologue: str, epilogue: str) -> str:
     """Table key of a fused GEMV: e.g. 'gemv:8224x1024:rms:conv'."""
     return f"gemv:{n_out}x{k}:{prologue}:{epilogue}"
 
@@ -879,11 +530,11 @@ def _fits(p: dict, k: int, prologue: str, head_dim: int) -> bool:
         p["persistent"] and gated_persistent_ok(k, head_dim))
 
 
-def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+def plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
                head_dim: int = 0, split_k_enabled: bool = True) -> dict:
-    """Launch plan of a fused GEMV from decode_tuning.json, else fused_heuristic_plan.
+    """Launch plan of a fused GEMV from decode_tuning.json, else heuristic_plan.
     split_k_enabled=False gives the best direct (split_k = 1) form the tuner measured."""
-    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    e = decode_table().get(plan_key(n_out, k, prologue, epilogue))
     if e is not None:
         try:
             p = dict(split_k=int(e["split_k"]), block_n=int(e["block_n"]),
@@ -897,22 +548,22 @@ def fused_plan(n_out: int, k: int, prologue: str = "none", epilogue: str = "plai
                 return p
         except (KeyError, TypeError, ValueError):
             pass
-    p = fused_heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
+    p = heuristic_plan(n_out, k, prologue, head_dim, epilogue == "silu_mul")
     if not split_k_enabled and p["split_k"] > 1:
         # direct form: narrow row blocks so the grid still covers the SMs
         p = dict(p, split_k=1, block_n=max(1, min(p["block_n"], next_pow2(max(1, n_out // TARGET_PROGRAMS)))))
     return p
 
 
-def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
+def range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str = "plain",
                       head_dim: int = 0, split_k_enabled: bool = True) -> list[tuple[int, dict]]:
     """[(below, plan)], ascending: the plans the step measured faster than the entry's own for
     contexts shorter than `below` positions (decode_tuning.json, the entry's `context_ranges`;
     the engine captures one decode graph per range, engine/triton_backend.py). A plan applies
     from the previous range's `below` (or 0) up to its own. [] without such ranges; a range
     that is malformed, repeats a bound, splits K with split-K off or does not fit the shape
-    (as fused_plan checks the entry's own plan) is left out."""
-    e = decode_table().get(fused_key(n_out, k, prologue, epilogue))
+    (as plan checks the entry's own plan) is left out."""
+    e = decode_table().get(plan_key(n_out, k, prologue, epilogue))
     if e is None or not isinstance(e.get("context_ranges"), list):
         return []
     out: dict[int, dict] = {}
@@ -933,7 +584,7 @@ def fused_range_plans(n_out: int, k: int, prologue: str = "none", epilogue: str 
     return sorted(out.items())
 
 
-def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
+def scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tuple[int, int]:
     """(fp32 partials, int32 counters) elements a split-K fused launch needs (0, 0 if none).
     The counters must be zeroed once at allocation; the kernel leaves them at zero."""
     s = int(plan_["split_k"])
@@ -942,7 +593,7 @@ def fused_scratch_numel(n_out: int, plan_: dict, silu_mul: bool = False) -> tupl
     return s * n_out * (2 if silu_mul else 1), cdiv(n_out, int(plan_["block_n"]))
 
 
-def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
+def gemv(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6,
                gate: Optional[torch.Tensor] = None, head_dim: int = 0,
                residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
@@ -950,7 +601,7 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                split_k: Optional[int] = None, partials: Optional[torch.Tensor] = None,
                counters: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
                block_k: Optional[int] = None, num_warps: Optional[int] = None,
-               persistent: Optional[int] = None, merge=None) -> torch.Tensor:
+               persistent: Optional[int] = None, merge=None, pdl: int = 0) -> torch.Tensor:
     """One fused decode GEMV (see the block comment above); returns out.
 
     Prologue: none; `norm_w` alone = zero-centred RMSNorm of x (norm_w [K]); `norm_w` + `gate`
@@ -960,91 +611,91 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     first C rows (state updated in place). The norm is rounded to x.dtype, the conv to
     out.dtype.
     split_k > 1 needs `partials` (fp32) and `counters` (int32, zeroed once) of
-    fused_scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
+    scratch_numel() elements. `persistent` = P > 0 (direct form, prologue none/rms only):
     P programs per SM stride over the row blocks, each row's whole K one tile (block_k is
     ignored). `merge` (attention_decode.DeferredMerge, persistent form only): x is the gated
     attention output, merged here from the split partials at positions where the attention's
-    launch left the merge (x = its `out` elsewhere). Block sizes default to fused_plan().
-    Never allocates/syncs."""
-    _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in _DTYPES,
-            "gemv_fused: W must be a contiguous [N, K] float matrix")
+    launch left the merge (x = its `out` elsewhere). Block sizes default to plan().
+    `pdl`: see _common.pdl_mode. Never allocates/syncs."""
+    _expect(W.dim() == 2 and W.is_contiguous() and W.dtype in FLOAT_DTYPES,
+            "gemv: W must be a contiguous [N, K] float matrix")
     n_rows, K = W.shape
-    _expect(x.numel() == K and x.is_contiguous() and x.dtype in _DTYPES,
-            f"gemv_fused: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
-    _expect(not silu_mul or n_rows % 2 == 0, "gemv_fused: silu_mul needs an even number of rows")
+    _expect(x.numel() == K and x.is_contiguous() and x.dtype in FLOAT_DTYPES,
+            f"gemv: x must be a contiguous float vector of {K}, got {tuple(x.shape)}")
+    _expect(not silu_mul or n_rows % 2 == 0, "gemv: silu_mul needs an even number of rows")
     n_out = n_rows // 2 if silu_mul else n_rows
-    _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in _DTYPES,
-            f"gemv_fused: out must be a contiguous float vector of {n_out}")
+    _expect(out.numel() == n_out and out.is_contiguous() and out.dtype in FLOAT_DTYPES,
+            f"gemv: out must be a contiguous float vector of {n_out}")
     dev = out.device
-    _expect(x.device == W.device == dev, "gemv_fused: tensors must be on one device")
+    _expect(x.device == W.device == dev, "gemv: tensors must be on one device")
 
     pro_name, pro = "none", PRO_NONE
     dv = 1
     if merge is not None:
         dv, nh = int(merge.head_dim), int(merge.num_heads)
         _expect(gate is None and norm_w is None and conv_state is None and not silu_mul,
-                "gemv_fused: the attention merge is a prologue of its own")
+                "gemv: the attention merge is a prologue of its own")
         _expect(nh * dv == K and dv & (dv - 1) == 0 and nh & (nh - 1) == 0,
-                f"gemv_fused: the merge needs K = heads x head_dim, both powers of two (K={K})")
+                f"gemv: the merge needs K = heads x head_dim, both powers of two (K={K})")
         _expect(merge.qg.numel() == 2 * K and merge.qg.is_contiguous() and merge.qg.device == dev,
-                f"gemv_fused: the merge's q|gate projection must hold {2 * K} values")
+                f"gemv: the merge's q|gate projection must hold {2 * K} values")
         _expect(merge.pos.numel() == 1 and merge.pos.dtype in (torch.int32, torch.int64)
-                and merge.pos.device == dev, "gemv_fused: the merge's pos must be one device int")
+                and merge.pos.device == dev, "gemv: the merge's pos must be one device int")
         ms = int(merge.merge_splits)
-        _expect(ms >= 1 and ms & (ms - 1) == 0, "gemv_fused: the merge's merge_splits must be a "
+        _expect(ms >= 1 and ms & (ms - 1) == 0, "gemv: the merge's merge_splits must be a "
                 "power of two")
         need = _attn.partials_numel(nh, dv, int(merge.num_splits), ms)
         _expect(merge.partials.dtype == torch.float32 and merge.partials.is_contiguous()
                 and merge.partials.numel() >= need and merge.partials.device == dev,
-                f"gemv_fused: the merge's partials must be float32 with >= {need} elements")
+                f"gemv: the merge's partials must be float32 with >= {need} elements")
         _expect(0 <= int(merge.defer_splits) <= _attn.MAX_DEFER and int(merge.block_n) >= 1,
-                "gemv_fused: the merge's defer_splits / block_n are out of range")
+                "gemv: the merge's defer_splits / block_n are out of range")
         _expect(not merge.defer_groups
                 or _attn.groups_deferrable(int(merge.num_splits), int(merge.defer_splits), ms),
-                "gemv_fused: the merge's groups outnumber its defer_splits")
+                "gemv: the merge's groups outnumber its defer_splits")
         _expect(persistent is None or int(persistent) > 0,
-                "gemv_fused: the attention merge runs in the persistent form")
-        _expect(split_k in (None, 1), "gemv_fused: the attention merge takes no split-K")
+                "gemv: the attention merge runs in the persistent form")
+        _expect(split_k in (None, 1), "gemv: the attention merge takes no split-K")
         persistent = 1 if persistent is None else persistent
         split_k = 1
         pro_name, pro = "attn", PRO_ATTN
     elif gate is not None:
         dv = int(head_dim)
         _expect(norm_w is not None and dv >= 1 and K % dv == 0,
-                "gemv_fused: the gated norm needs norm_w and a head_dim dividing K")
+                "gemv: the gated norm needs norm_w and a head_dim dividing K")
         _expect(gate.numel() == K and gate.is_contiguous() and gate.dtype == x.dtype
-                and gate.device == dev, f"gemv_fused: gate must be a contiguous [{K}] like x")
+                and gate.device == dev, f"gemv: gate must be a contiguous [{K}] like x")
         _expect(norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.device == dev,
-                f"gemv_fused: the gated norm weight must hold head_dim={dv} values")
+                f"gemv: the gated norm weight must hold head_dim={dv} values")
         pro_name, pro = "gated", PRO_GATED
     elif norm_w is not None:
         _expect(norm_w.numel() == K and norm_w.is_contiguous() and norm_w.device == dev,
-                f"gemv_fused: norm_w must be a contiguous [{K}] vector")
+                f"gemv: norm_w must be a contiguous [{K}] vector")
         pro_name, pro = "rms", PRO_RMS
 
     modes = [residual is not None, bool(silu_mul), conv_state is not None]
-    _expect(sum(modes) <= 1, "gemv_fused: choose at most one of residual, silu_mul, conv")
+    _expect(sum(modes) <= 1, "gemv: choose at most one of residual, silu_mul, conv")
     epi_name = ("residual" if modes[0] else "silu_mul" if modes[1]
                 else "conv" if modes[2] else "plain")
     epi = _EPILOGUES[epi_name]
     kw, conv_dim = 2, 0
     if residual is not None:
         _expect(residual.numel() == n_out and residual.is_contiguous() and residual.device == dev,
-                f"gemv_fused: residual must be a contiguous [{n_out}] vector")
+                f"gemv: residual must be a contiguous [{n_out}] vector")
     if conv_state is not None:
-        _expect(conv_w is not None, "gemv_fused: the conv epilogue needs conv_w")
+        _expect(conv_w is not None, "gemv: the conv epilogue needs conv_w")
         if conv_w.dim() == 3 and conv_w.shape[1] == 1:
             conv_w = conv_w.view(conv_w.shape[0], conv_w.shape[2])
         _expect(conv_w.dim() == 2 and conv_w.is_contiguous() and conv_w.shape[1] >= 2,
-                "gemv_fused: conv_w must be a contiguous [C, Kc] matrix with Kc >= 2")
+                "gemv: conv_w must be a contiguous [C, Kc] matrix with Kc >= 2")
         conv_dim, kw = conv_w.shape
-        _expect(conv_dim <= n_out, "gemv_fused: more conv channels than output rows")
+        _expect(conv_dim <= n_out, "gemv: more conv channels than output rows")
         _expect(tuple(conv_state.shape) == (conv_dim, kw - 1) and conv_state.is_contiguous()
                 and conv_state.device == dev and conv_w.device == dev,
-                f"gemv_fused: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
+                f"gemv: conv_state must be a contiguous [{conv_dim}, {kw - 1}] matrix")
 
     if None in (split_k, block_n, block_k, num_warps, persistent):
-        p = fused_plan(n_out, K, pro_name, epi_name, dv)
+        p = plan(n_out, K, pro_name, epi_name, dv)
     else:
         p = {}                                   # the caller (the engine) passes the whole plan
     if persistent is None:
@@ -1054,25 +705,25 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     if not persistent and p.get("persistent", 0):
         # the plan is the persistent form but the caller asked for the grid form (a split
         # count or tile of its own): the grid form's tiles, not the persistent ones
-        p = fused_heuristic_plan(n_out, K, pro_name, dv, bool(silu_mul))
+        p = heuristic_plan(n_out, K, pro_name, dv, bool(silu_mul))
     split_k = int(p["split_k"] if split_k is None else split_k)
     block_n = int(block_n or p["block_n"])
     block_k = int(block_k or p["block_k"])
     num_warps = int(num_warps or p["num_warps"])
-    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv_fused: block_n must be a power of 2")
+    _expect(block_n >= 1 and block_n & (block_n - 1) == 0, "gemv: block_n must be a power of 2")
     _expect(block_k >= 16 and block_k & (block_k - 1) == 0,
-            "gemv_fused: block_k must be a power of 2 >= 16")
-    _expect(1 <= split_k <= 64, "gemv_fused: split_k must be in 1..64")
+            "gemv: block_k must be a power of 2 >= 16")
+    _expect(1 <= split_k <= 64, "gemv: split_k must be in 1..64")
     n_blocks = cdiv(n_out, block_n)
     res = residual if residual is not None else out
     cs = conv_state if conv_state is not None else out
     cw = conv_w if conv_state is not None else out
-    pdl = pdl_mode(dev)
+    pdl = check_pdl(pdl, "gemv")
     if persistent > 0:
         _expect(pro != PRO_GATED or gated_persistent_ok(K, dv),
-                "gemv_fused: the persistent form takes a gated-norm prologue only when the head "
+                "gemv: the persistent form takes a gated-norm prologue only when the head "
                 "size and the head count are powers of two")
-        _expect(split_k == 1, "gemv_fused: the persistent form is the direct (split_k = 1) form")
+        _expect(split_k == 1, "gemv: the persistent form is the direct (split_k = 1) form")
         bk = max(16, next_pow2(K))
         nprog = max(1, min(n_blocks, persistent * sm_count(dev)))
         zp = merge.qg if merge is not None else gate if gate is not None else x
@@ -1081,15 +732,15 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                         A_DEFER=int(merge.defer_splits), A_MERGE=int(merge.merge_splits),
                         A_GROUPS=bool(merge.defer_groups)) if merge is not None
                    else dict(A_NS=1, A_BN=1, A_DEFER=0, A_MERGE=1, A_GROUPS=False))
-        _fused_gemv_persistent_kernel[(nprog,)](
+        _gemv_persistent_kernel[(nprog,)](
             x, zp, norm_w if norm_w is not None else x, W, out, res, cs, cw, ap, pp, n_out, K,
             W.stride(0), float(eps), conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, NPROG=nprog,
             BLOCK_N=block_n, BLOCK_K=bk, MASK_K=K != bk, PDL=pdl, num_warps=num_warps,
-            **attn_kw, **_launch_kw(dev))
+            **attn_kw, **launch_kw(pdl))
         return out
     if pro == PRO_GATED:
         _expect(block_k <= max(16, next_pow2(dv)),
-                "gemv_fused: with the gated norm block_k must not exceed the head size")
+                "gemv: with the gated norm block_k must not exceed the head size")
         units = K // dv                                    # splits own whole heads
         per_split = cdiv(units, split_k)
         mask_k = dv % block_k != 0
@@ -1101,28 +752,22 @@ def gemv_fused(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
     grid_s = cdiv(K // dv if pro == PRO_GATED else K, per_split)   # no empty split
     part, cnt = out, out                     # dummies, never touched when SPLIT_K == 1
     if grid_s > 1:
-        need_p, need_c = fused_scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
+        need_p, need_c = scratch_numel(n_out, dict(split_k=grid_s, block_n=block_n),
                                              bool(silu_mul))
         _expect(partials is not None and partials.dtype == torch.float32
                 and partials.is_contiguous() and partials.numel() >= need_p
                 and partials.device == dev,
-                f"gemv_fused: split_k={split_k} needs fp32 partials of >= {need_p} elements")
+                f"gemv: split_k={split_k} needs fp32 partials of >= {need_p} elements")
         _expect(counters is not None and counters.dtype == torch.int32
                 and counters.is_contiguous() and counters.numel() >= need_c
                 and counters.device == dev,
-                f"gemv_fused: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
+                f"gemv: split_k={split_k} needs zeroed int32 counters of >= {need_c}")
         part, cnt = partials, counters
     z = gate if gate is not None else x
     nw = norm_w if norm_w is not None else x
-    _fused_gemv_kernel[(n_blocks, grid_s)](
+    _gemv_kernel[(n_blocks, grid_s)](
         x, z, nw, W, out, res, cs, cw, part, cnt, n_out, K, W.stride(0), float(eps), per_split,
         conv_dim, PRO=pro, EPI=epi, DV=dv, KW=kw, SPLIT_K=grid_s, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= K, MASK_N=n_out % block_n != 0,
-        MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **_launch_kw(dev))
+        MASK_K=mask_k, PDL=pdl, num_warps=num_warps, **launch_kw(pdl))
     return out
-
-
-def gemv_rmsnorm(h: torch.Tensor, norm_w: torch.Tensor, eps: float, W: torch.Tensor,
-                 out: torch.Tensor, **kw) -> torch.Tensor:
-    """out = W @ round(rms_norm_zc(h, norm_w)) with any gemv_fused epilogue (**kw)."""
-    return gemv_fused(h, W, out, norm_w=norm_w, eps=eps, **kw)

@@ -1,9 +1,16 @@
-"""Plain-PyTorch references of the decode operators (Triton launcher name + `_ref`).
+"""Plain-PyTorch references of every kernel, one section per kernel file, each function named
+after its launcher + `_ref` (kernels/gemv.py: gemv -> gemv_ref, ...).
 
 Written from docs/qwen35-text-model.md and the kernel docstrings, not from the kernels: fp32
-math, with a rounding to the activation dtype exactly where the kernels (and HF) round. The
-functions are pure: they return new tensors (outputs, and the updated states or caches) instead
-of writing in place, so a test can compare both.
+math, with a rounding to the activation dtype exactly where the kernels (and HF) round, so a
+kernel that follows the same plan agrees to accumulation-order noise.
+
+The decode references (one token) are pure: they return new tensors (outputs, and the updated
+states or caches) instead of writing in place, so a test can compare both. The prefill
+references (T tokens: gemm, conv1d, gdn_chunk, flash_attention) take the launcher's arguments,
+write `out` (and update the states or caches in place) and return `out`. The GDN prefill
+reference is the token recurrence of spec section 6.4, not the chunked form: the chunk kernel
+is tested against T sequential steps.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+# HF's l2norm epsilon for GDN q/k: inside the sqrt, added to the sum of squares (spec 3c).
 L2NORM_EPS = 1e-6
 
 
@@ -20,9 +28,23 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
+def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(|x|^2 + 1e-6) over the last dim, fp32 (GDN q and k)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+# ------------------------------------------------------------------------------------------
+# embedding  (kernels/embedding.py)
+# ------------------------------------------------------------------------------------------
+
 def embedding_gather_ref(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table[ids.long()]
 
+
+# ------------------------------------------------------------------------------------------
+# RMSNorm  (kernels/rms_norm.py)
+# ------------------------------------------------------------------------------------------
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float,
                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -32,14 +54,11 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float,
     return y.to(out_dtype or x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                     out_dtype: Optional[torch.dtype] = None):
-    """(new residual = round(residual + x), rms_norm_ref(new residual))."""
-    r = (residual.float() + x.float()).to(residual.dtype)
-    return r, rms_norm_ref(r, w, eps, out_dtype or x.dtype)
+# ------------------------------------------------------------------------------------------
+# decode GEMV with its fused prologues and epilogues  (kernels/gemv.py)
+# ------------------------------------------------------------------------------------------
 
-
-def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
+def matvec_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
              silu_mul: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """W @ x [+ residual] or silu(Wg x) * (Wu x), fp32, rounded once to out_dtype."""
     y = W.float() @ x.reshape(-1).float()
@@ -50,6 +69,53 @@ def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, residual: Optional[torch.Tenso
         y = y + residual.reshape(-1).float()
     return y.to(out_dtype or x.dtype)
 
+
+def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
+                       head_dim: int) -> torch.Tensor:
+    """Per head of head_dim: n = round(o * rsqrt(mean(o^2) + eps)); round(w * n * silu(z))."""
+    dt = o.dtype
+    o32 = o.reshape(-1, head_dim).float()
+    n = _round(o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps), dt)
+    y = w.float() * n * F.silu(z.reshape(-1, head_dim).float())
+    return y.reshape(-1).to(dt)
+
+
+def conv_step_ref(m: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor):
+    """One causal depthwise conv token + SiLU on channels m [C] (already rounded to its dtype):
+    returns (round(silu(round(conv))) [C], new conv_state)."""
+    dt = m.dtype
+    conv_w = conv_w.reshape(m.numel(), -1)
+    seq = torch.cat([conv_state.float(), m.float()[:, None]], dim=1)   # oldest first
+    conv = _round((seq * conv_w.float()).sum(1), dt)
+    y = F.silu(conv).to(dt)
+    return y, torch.cat([conv_state[:, 1:], m[:, None].to(conv_state.dtype)], dim=1)
+
+
+def gemv_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.Tensor] = None,
+                   eps: float = 1e-6, gate: Optional[torch.Tensor] = None, head_dim: int = 0,
+                   residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+                   conv_state: Optional[torch.Tensor] = None,
+                   conv_w: Optional[torch.Tensor] = None,
+                   out_dtype: Optional[torch.dtype] = None):
+    """The unfused sequence gemv replaces: norm (rounded to x.dtype) -> matvec_ref (rounded
+    to out_dtype) -> conv step on the first C rows. Returns (out, new conv_state or None)."""
+    dt = out_dtype or x.dtype
+    x = x.reshape(-1)
+    if gate is not None:
+        x = gated_rms_norm_ref(x, gate.reshape(-1), norm_w, eps, head_dim)
+    elif norm_w is not None:
+        x = rms_norm_ref(x, norm_w, eps)
+    y = matvec_ref(x, W, residual=residual, silu_mul=silu_mul, out_dtype=dt)
+    if conv_state is None:
+        return y, None
+    c = conv_state.shape[0]
+    conv_y, new_state = conv_step_ref(y[:c], conv_state, conv_w)
+    return torch.cat([conv_y, y[c:]]), new_state
+
+
+# ------------------------------------------------------------------------------------------
+# Gated DeltaNet decode  (kernels/gdn_decode.py)
+# ------------------------------------------------------------------------------------------
 
 def _gdn_qkv_heads(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
     """Split the convolved [q | k | v] channels per head: q, k l2-normalised (q * dk^-0.5) and
@@ -63,7 +129,29 @@ def _gdn_qkv_heads(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
     return q.repeat_interleave(group, 0), k.repeat_interleave(group, 0), v
 
 
-def gdn_decode_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, *,
+def gdn_decode_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_heads: int,
+                        num_v_heads: int, head_k_dim: int, head_v_dim: int):
+    """The GDN recurrence of one token from the fused in_proj output proj = [conv output
+    (q|k|v, already conv+SiLU) | z | b | a]: returns (o [Hv*dv] rounded to proj.dtype, new
+    fp32 state). The gated norm is not applied (the out_proj prologue does it)."""
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    dt = proj.dtype
+    conv_dim = 2 * hk * dk + hv * dv
+    x = proj[:conv_dim].float()
+    q, k, v = _gdn_qkv_heads(x, hk, hv, dk, dv)
+    b = proj[conv_dim + hv * dv:conv_dim + hv * dv + hv]
+    a = proj[conv_dim + hv * dv + hv:conv_dim + hv * dv + 2 * hv]
+    beta = _round(torch.sigmoid(b.float()), dt)
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), threshold=20.0)
+    S = state.float() * torch.exp(g)[:, None, None]
+    pred = torch.einsum("hkv,hk->hv", S, k)
+    delta = beta[:, None] * (v - pred)
+    S = S + k[:, :, None] * delta[:, None, :]
+    o = torch.einsum("hkv,hk->hv", S, q)
+    return o.reshape(-1).to(dt), S
+
+
+def gdn_mixer_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, *,
                    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                    eps: float):
     """One Gated DeltaNet token: returns (out [Hv*dv], new conv_state, new state)."""
@@ -95,6 +183,10 @@ def gdn_decode_ref(qkvz, ba, conv_state, conv_w, A_log, dt_bias, state, norm_w, 
     y = norm_w.float() * n * F.silu(z)
     return y.reshape(-1).to(dt), new_conv_state, S
 
+
+# ------------------------------------------------------------------------------------------
+# gated attention decode  (kernels/attention_decode.py)
+# ------------------------------------------------------------------------------------------
 
 def rope_ref(x: torch.Tensor, pos: int, rotary_dim: int, rope_theta: float) -> torch.Tensor:
     """Rotate-half RoPE on the first rotary_dim dims of x [heads, hd] (already rounded to its
@@ -133,6 +225,10 @@ def attention_decode_ref(qg, k, v, q_norm_w, k_norm_w, k_cache, v_cache, pos: in
     y = o * _round(torch.sigmoid(gate.float()), dt)
     return y.reshape(-1).to(dt), k_cache, v_cache
 
+
+# ------------------------------------------------------------------------------------------
+# LM head + argmax, sampler  (kernels/sampling.py)
+# ------------------------------------------------------------------------------------------
 
 def lm_head_argmax_ref(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                        norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6):
@@ -194,69 +290,157 @@ def sample_from_logits_ref(logits: torch.Tensor, params, counts: torch.Tensor, *
 
 
 # ------------------------------------------------------------------------------------------
-# v2 fused decode operators (gemv.gemv_fused, gdn_decode.gdn_decode_core)
+# prefill GEMM with the fused epilogues  (kernels/gemm.py)
 # ------------------------------------------------------------------------------------------
 
-def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
-                       head_dim: int) -> torch.Tensor:
-    """Per head of head_dim: n = round(o * rsqrt(mean(o^2) + eps)); round(w * n * silu(z))."""
-    dt = o.dtype
-    o32 = o.reshape(-1, head_dim).float()
-    n = _round(o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps), dt)
-    y = w.float() * n * F.silu(z.reshape(-1, head_dim).float())
-    return y.reshape(-1).to(dt)
+def gemm_ref(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
+             residual: Optional[torch.Tensor] = None, silu_mul: bool = False) -> torch.Tensor:
+    """out = [residual +] x @ W^T, or silu(x @ Wg^T) * (x @ Wu^T) for W = [Wg; Wu].
+
+    Rounding follows HF: each projection is rounded to the dtype, SiLU(gate) is rounded, the
+    product is rounded, and the residual add happens on the rounded values.
+    """
+    dt = out.dtype
+    y = x.float() @ W.float().t()
+    if silu_mul:
+        inter = W.shape[0] // 2
+        gate, up = _round(y[:, :inter], dt), _round(y[:, inter:], dt)
+        y = _round(F.silu(gate), dt) * up
+    y = _round(y, dt)
+    if residual is not None:
+        y = y + residual.float()
+    out.copy_(y.to(dt))
+    return out
 
 
-def conv_step_ref(m: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor):
-    """One causal depthwise conv token + SiLU on channels m [C] (already rounded to its dtype):
-    returns (round(silu(round(conv))) [C], new conv_state)."""
-    dt = m.dtype
-    conv_w = conv_w.reshape(m.numel(), -1)
-    seq = torch.cat([conv_state.float(), m.float()[:, None]], dim=1)   # oldest first
-    conv = _round((seq * conv_w.float()).sum(1), dt)
-    y = F.silu(conv).to(dt)
-    return y, torch.cat([conv_state[:, 1:], m[:, None].to(conv_state.dtype)], dim=1)
+# ------------------------------------------------------------------------------------------
+# prefill causal depthwise conv1d + SiLU  (kernels/conv1d.py)
+# ------------------------------------------------------------------------------------------
+
+def causal_conv1d_ref(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """out[t, c] = silu(sum_j w[c, j] * seq[t + j, c]) with seq = [conv_state^T | x] (oldest
+    first); afterwards conv_state holds the last Kc-1 rows of seq."""
+    T, C = x.shape
+    kc = w.shape[1]
+    seq = torch.cat([conv_state.t().float(), x.float()], dim=0)          # [Kc-1+T, C]
+    acc = torch.zeros(T, C, dtype=torch.float32, device=x.device)
+    for j in range(kc):
+        acc += seq[j:j + T] * w[:, j].float()
+    conv = _round(acc, out.dtype)
+    out.copy_(F.silu(conv).to(out.dtype))
+    conv_state.copy_(seq[T:].t().to(conv_state.dtype))
+    return out
 
 
-def gemv_fused_ref(x: torch.Tensor, W: torch.Tensor, *, norm_w: Optional[torch.Tensor] = None,
-                   eps: float = 1e-6, gate: Optional[torch.Tensor] = None, head_dim: int = 0,
-                   residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
-                   conv_state: Optional[torch.Tensor] = None,
-                   conv_w: Optional[torch.Tensor] = None,
-                   out_dtype: Optional[torch.dtype] = None):
-    """The unfused sequence gemv_fused replaces: norm (rounded to x.dtype) -> gemv_ref (rounded
-    to out_dtype) -> conv step on the first C rows. Returns (out, new conv_state or None)."""
-    dt = out_dtype or x.dtype
-    x = x.reshape(-1)
-    if gate is not None:
-        x = gated_rms_norm_ref(x, gate.reshape(-1), norm_w, eps, head_dim)
-    elif norm_w is not None:
-        x = rms_norm_ref(x, norm_w, eps)
-    y = gemv_ref(x, W, residual=residual, silu_mul=silu_mul, out_dtype=dt)
-    if conv_state is None:
-        return y, None
-    c = conv_state.shape[0]
-    conv_y, new_state = conv_step_ref(y[:c], conv_state, conv_w)
-    return torch.cat([conv_y, y[c:]]), new_state
+# ------------------------------------------------------------------------------------------
+# Gated DeltaNet prefill: gates, recurrence, gated RMSNorm  (kernels/gdn_chunk.py)
+# ------------------------------------------------------------------------------------------
+
+def gdn_gates_ref(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta = sigmoid(b) (rounded to b's dtype, as HF keeps it); g = -exp(A_log) *
+    softplus(a + dt_bias) in fp32 with softplus threshold 20. Both returned as fp32 [T, Hv]."""
+    beta = torch.sigmoid(b.float()).to(b.dtype).float()
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
+    return beta, g
 
 
-def gdn_decode_core_ref(proj: torch.Tensor, A_log, dt_bias, state, *, num_k_heads: int,
-                        num_v_heads: int, head_k_dim: int, head_v_dim: int):
-    """The GDN recurrence of one token from the fused in_proj output proj = [conv output
-    (q|k|v, already conv+SiLU) | z | b | a]: returns (o [Hv*dv] rounded to proj.dtype, new
-    fp32 state). The gated norm is not applied (the out_proj prologue does it)."""
+def _gdn_output_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Spec 3b over the last dim: norm in fp32, round, times w, times silu(z) in fp32, round."""
+    o = _round(o.float(), dtype)                  # the GDN core output is stored in the dtype
+    n = o * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + eps)
+    n = _round(n, dtype)
+    return ((w.float() * n) * F.silu(z.float())).to(dtype)
+
+
+def gdn_prefill_ref(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                    norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int,
+                    num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
+                    chunk: int = 64) -> torch.Tensor:
+    """T sequential steps of the gated delta rule (spec 6.3-6.5); `chunk` is accepted for
+    signature parity and ignored. state [Hv, dk, dv] fp32 is updated in place."""
+    del chunk
+    T = qkv_conv.shape[0]
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-    dt = proj.dtype
-    conv_dim = 2 * hk * dk + hv * dv
-    x = proj[:conv_dim].float()
-    q, k, v = _gdn_qkv_heads(x, hk, hv, dk, dv)
-    b = proj[conv_dim + hv * dv:conv_dim + hv * dv + hv]
-    a = proj[conv_dim + hv * dv + hv:conv_dim + hv * dv + 2 * hv]
-    beta = _round(torch.sigmoid(b.float()), dt)
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), threshold=20.0)
-    S = state.float() * torch.exp(g)[:, None, None]
-    pred = torch.einsum("hkv,hk->hv", S, k)
-    delta = beta[:, None] * (v - pred)
-    S = S + k[:, :, None] * delta[:, None, :]
-    o = torch.einsum("hkv,hk->hv", S, q)
-    return o.reshape(-1).to(dt), S
+    group = hv // hk
+    key_dim = hk * dk
+    q = qkv_conv[:, :key_dim].float().view(T, hk, dk)
+    k = qkv_conv[:, key_dim:2 * key_dim].float().view(T, hk, dk)
+    v = qkv_conv[:, 2 * key_dim:2 * key_dim + hv * dv].float().view(T, hv, dv)
+    # value head h reads key head h // group (consecutive repeat, HF repeat_interleave)
+    q = l2norm_ref(q).repeat_interleave(group, dim=1) * dk ** -0.5
+    k = l2norm_ref(k).repeat_interleave(group, dim=1)
+    beta, g = gdn_gates_ref(b, a, A_log, dt_bias)
+    S = state.float().clone()
+    o = torch.empty(T, hv, dv, dtype=torch.float32, device=qkv_conv.device)
+    for t in range(T):
+        S = S * torch.exp(g[t])[:, None, None]                           # decay first
+        pred = torch.einsum("hkv,hk->hv", S, k[t])                       # S^T k
+        delta = beta[t][:, None] * (v[t] - pred)
+        S = S + k[t][:, :, None] * delta[:, None, :]                     # rank-1 write
+        o[t] = torch.einsum("hkv,hk->hv", S, q[t])                       # read the new state
+    state.copy_(S)
+    y = _gdn_output_norm_ref(o, z.view(T, hv, dv), norm_w, eps, out.dtype)
+    out.copy_(y.reshape(T, hv * dv))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# gated attention prefill: q/k norm, partial RoPE, KV write, causal GQA, gate  (kernels/flash_attention.py)
+# ------------------------------------------------------------------------------------------
+
+def rope_inv_freq_ref(rotary_dim: int, rope_theta: float, device=None) -> torch.Tensor:
+    """inv_freq[j] = theta^(-2j/rotary_dim) in fp32, computed the way HF does."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    return 1.0 / (rope_theta ** exps)
+
+
+def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
+                   rope_theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on the first rotary_dim dims of x [T, heads, hd] (dtype arithmetic:
+    cos/sin rounded to x's dtype, each product and the sum rounded, as HF's bf16 ops do)."""
+    dt = x.dtype
+    inv_freq = rope_inv_freq_ref(rotary_dim, rope_theta, x.device)
+    ang = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    cos = emb.cos().to(dt).float()[:, None, :]
+    sin = emb.sin().to(dt).float()[:, None, :]
+    half = rotary_dim // 2
+    xr = x[..., :rotary_dim].float()
+    rot_half = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    xr = (_round(xr * cos, dt) + _round(rot_half * sin, dt)).to(dt)
+    return torch.cat([xr, x[..., rotary_dim:]], dim=-1)
+
+
+def attention_prefill_ref(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+                          out: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                          head_dim: int, rotary_dim: int, rope_theta: float,
+                          eps: float) -> torch.Tensor:
+    """Spec section 5 steps 3-7 for T new tokens at positions start_pos.. start_pos+T-1,
+    attending to the cached positions 0..start_pos-1 plus themselves (causal)."""
+    T = qg.shape[0]
+    H, Hkv, hd = num_heads, num_kv_heads, head_dim
+    dt = out.dtype
+    qg = qg.view(T, H, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    pos = torch.arange(start_pos, start_pos + T, device=qg.device)
+    q = apply_rope_ref(rms_norm_ref(q, q_norm_w, eps), pos, rotary_dim, rope_theta)
+    kk = apply_rope_ref(rms_norm_ref(k.view(T, Hkv, hd), k_norm_w, eps), pos, rotary_dim,
+                        rope_theta)
+    k_cache[:, start_pos:start_pos + T] = kk.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, start_pos:start_pos + T] = v.view(T, Hkv, hd).transpose(0, 1).to(v_cache.dtype)
+    L = start_pos + T
+    keys = k_cache[:, :L].float().repeat_interleave(H // Hkv, dim=0)     # [H, L, hd]
+    vals = v_cache[:, :L].float().repeat_interleave(H // Hkv, dim=0)
+    scores = torch.einsum("thd,hld->htl", q.float(), keys) * hd ** -0.5
+    visible = torch.arange(L, device=qg.device)[None, :] <= pos[:, None]  # [T, L]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    o = torch.einsum("htl,hld->thd", torch.softmax(scores, dim=-1), vals)
+    y = _round(o, dt) * _round(torch.sigmoid(gate.float()), dt)
+    out.copy_(y.reshape(T, H * hd).to(dt))
+    return out

@@ -2,12 +2,10 @@
 
     y = x * rsqrt(mean(x^2) + eps) * (1 + w)        fp32 math, one rounding to out.dtype
 
-and its residual-fused twin, which first folds the previous sublayer into the residual stream:
+One program per row (the row is at most a few thousand wide, so it lives in registers). The
+prefill launches it; in the decode step the norms are GEMV prologues (kernels/gemv.py).
 
-    residual <- round(residual + x)                 (in place, as a bf16 residual add rounds)
-    out      <- rms_norm(residual)
-
-One program per row (the row is at most a few thousand wide, so it lives in registers).
+PyTorch reference: kernels/reference.py, section "rms_norm": rms_norm_ref.
 """
 from __future__ import annotations
 
@@ -15,35 +13,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import next_pow2
+from ._common import FLOAT_DTYPES, next_pow2
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, eps,
-                     ADD_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * D
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     x = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:
-        r = tl.load(res_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
-        r = (r + x).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row + offs, r, mask=m)
-        x = r.to(tl.float32)                      # normalise the rounded residual
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row + offs, (x * inv_rms * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str) -> int:
-    if x.dim() not in (1, 2) or not x.is_contiguous() or x.dtype not in _DTYPES:
+    if x.dim() not in (1, 2) or not x.is_contiguous() or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: x must be a contiguous [T, D] or [D] float tensor")
     D = x.shape[-1]
-    if w.dim() != 1 or w.numel() != D or not w.is_contiguous() or w.dtype not in _DTYPES:
+    if w.dim() != 1 or w.numel() != D or not w.is_contiguous() or w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: w must be a contiguous [{D}] float vector")
-    if out.numel() != x.numel() or not out.is_contiguous() or out.dtype not in _DTYPES:
+    if out.numel() != x.numel() or not out.is_contiguous() or out.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: out must be a contiguous float tensor with x's "
                          f"{x.numel()} elements, got {tuple(out.shape)}")
     if not (x.device == w.device == out.device):
@@ -53,37 +44,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str) -> in
     return D
 
 
-def _launch(x, res, w, out, eps, add_residual):
-    D = x.shape[-1]
-    rows = x.numel() // D
-    if rows == 0:
-        return
-    block_d = next_pow2(D)
-    num_warps = 4 if block_d <= 2048 else (8 if block_d <= 8192 else 16)
-    _rms_norm_kernel[(rows,)](x, res, w, out, D, float(eps), ADD_RESIDUAL=add_residual,
-                              BLOCK_D=block_d, num_warps=num_warps)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * (1 + w) per row of x [T, D] or [D]; out holds as
     many elements (e.g. [D] for a [1, D] x). Returns out."""
-    _check(x, w, out, "rms_norm")
-    _launch(x, x, w, out, eps, False)
-    return out
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                 out: torch.Tensor) -> torch.Tensor:
-    """residual += x (rounded to residual.dtype, in place), then out = rms_norm(residual).
-    x, residual, out [T, D] or [D]; out must not alias residual. Returns out."""
-    _check(x, w, out, "add_rms_norm")
-    if (residual.numel() != x.numel() or not residual.is_contiguous()
-            or residual.dtype not in _DTYPES):
-        raise ValueError("add_rms_norm: residual must be a contiguous float tensor with x's "
-                         "elements")
-    if residual.device != x.device:
-        raise ValueError("add_rms_norm: tensors must be on one device")
-    if out.data_ptr() == residual.data_ptr():
-        raise ValueError("add_rms_norm: out must not alias residual")
-    _launch(x, residual, w, out, eps, True)
+    D = _check(x, w, out, "rms_norm")
+    rows = x.numel() // D
+    if rows == 0:
+        return out
+    block_d = next_pow2(D)
+    num_warps = 4 if block_d <= 2048 else (8 if block_d <= 8192 else 16)
+    _rms_norm_kernel[(rows,)](x, w, out, D, float(eps), BLOCK_D=block_d, num_warps=num_warps)
     return out

@@ -47,6 +47,8 @@ use this; the engine draws one).
 with row 0 = context (prompt) occurrences and row 1 = generated occurrences (repetition sees
 both rows, presence only row 1). The drawn token is added to the last row by the launch that
 chooses it: `sample_from_logits(..., count=True)` or `lm_head_argmax(..., counts=counts)`.
+
+PyTorch reference: kernels/reference.py, section "sampling": lm_head_argmax_ref, sample_from_logits_ref.
 """
 from __future__ import annotations
 
@@ -56,11 +58,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .hostmath import cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, decode_table, launch_kw, next_pow2, pdl_start,
+                      pdl_wait, sm_count)
 
 from . import gemv as _gemv
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # layout of the `params` device tensor (float32)
 P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_REPETITION, P_GREEDY = range(7)
@@ -125,7 +127,7 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
                     BLOCK_X: tl.constexpr, ONE_X: tl.constexpr, MASK_N: tl.constexpr,
                     MASK_K: tl.constexpr, PDL: tl.constexpr):
     # PRO = 1: the final zero-centred RMSNorm of h is this GEMV's prologue (rounded to h.dtype)
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < V
@@ -133,7 +135,7 @@ def _lm_head_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VALID, K, str
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e
     w0 = _gemv._w_load(e_rows, offs_k, row_mask, offs_k < K, MASK_N, MASK_K)
     nw0 = _gemv._nw_first(nw_ptr, offs_k, offs_k < K, PRO, MASK_K)
-    _gemv._pdl_wait(PDL)
+    pdl_wait(PDL)
     x0, inv_rms = _gemv._x_first(h_ptr, nw0, offs_k, offs_k < K, K, eps, PRO, MASK_K, BLOCK_X,
                                  ONE_X)
     acc = w0.to(tl.float32) * x0[None, :]
@@ -178,7 +180,7 @@ def _lm_head_persistent_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VA
     # Persistent form: a few programs per SM, each normalising h once and then striding over
     # row blocks of whole rows (BLOCK_K >= K), software-pipelined STAGES deep, so the whole
     # launch streams E with several tiles in flight per SM; one key per program.
-    _gemv._pdl_start(PDL)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,7 +188,7 @@ def _lm_head_persistent_kernel(h_ptr, nw_ptr, e_ptr, logits_ptr, part_ptr, V, VA
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _lm_e_load(e_ptr, rows, offs_k, V, K, stride_e, MASK_N, MASK_K, EVICT)
     nw0 = _gemv._nw_first(nw_ptr, offs_k, k_ok, PRO, MASK_K)
-    _gemv._pdl_wait(PDL)
+    pdl_wait(PDL)
     x, _inv = _gemv._x_first(h_ptr, nw0, offs_k, k_ok, K, eps, PRO, MASK_K, BLOCK_K, True)
     best = _lm_row_block(logits_ptr, x, rows, V, VALID, w0, MASK_N)
     for b in tl.range(pid + nprog, NB, nprog, num_stages=STAGES):
@@ -203,8 +205,8 @@ def _argmax_keys_kernel(part_ptr, n, token_ptr, counts_ptr, row_offset, pos_ptr,
     # the per-block keys -> token; COUNT: counts[row_offset + token] += 1 (the generated-token
     # row the penalties read); ADVANCE: pos += 1 (the step's last write), and with RING > 0
     # the token also goes to ring[pos % RING] (the host reads it there while later steps run)
-    _gemv._pdl_start(PDL)
-    _gemv._pdl_wait(PDL)
+    pdl_start(PDL)
+    pdl_wait(PDL)
     best = tl.full((BLOCK,), _KEY_EMPTY, dtype=tl.int64)
     for i0 in range(0, n, BLOCK):
         offs = i0 + tl.arange(0, BLOCK)
@@ -237,10 +239,10 @@ def _advance(pos_ptr, ring_ptr, tok, RING: tl.constexpr):
 
 def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
     """dict(block_n, block_k, num_warps, persistent, num_stages, evict) of lm_head_argmax:
-    decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else the GEMV plan of [V, D] in
-    the grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
+    decode_tuning.json's entry 'lm_head:{V}x{D}:{rms|none}', else ~4K-element tiles of the
+    grid form. Size the partials with lm_head_partials_numel(V, block_n) (enough for
     either form)."""
-    e = _gemv.decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
+    e = decode_table().get(f"lm_head:{vocab}x{dim}:{'rms' if fused_norm else 'none'}")
     if e is not None:
         try:
             return dict(block_n=int(e["block_n"]), block_k=int(e["block_k"]),
@@ -248,9 +250,11 @@ def lm_head_plan(vocab: int, dim: int, fused_norm: bool = False) -> dict:
                         num_stages=int(e.get("num_stages", 1)), evict=bool(e.get("evict", True)))
         except (KeyError, TypeError, ValueError):
             pass
-    p = _gemv.plan(vocab, dim, False)
-    return dict(block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
-                persistent=0, num_stages=1, evict=True)
+    # the grid form with ~4K-element tiles
+    block_k = min(512, next_pow2(max(dim, 16)))
+    block_n = max(1, min(64, 4096 // block_k, next_pow2(vocab)))
+    return dict(block_n=block_n, block_k=block_k, num_warps=4, persistent=0, num_stages=1,
+                evict=True)
 
 
 def lm_head_partials_numel(vocab: int, block_n: int) -> int:
@@ -265,7 +269,8 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                    num_warps: Optional[int] = None, counts: Optional[torch.Tensor] = None,
                    pos: Optional[torch.Tensor] = None,
                    ring: Optional[torch.Tensor] = None, persistent: Optional[int] = None,
-                   num_stages: Optional[int] = None, evict: Optional[bool] = None) -> torch.Tensor:
+                   num_stages: Optional[int] = None, evict: Optional[bool] = None,
+                   pdl: int = 0) -> torch.Tensor:
     """logits_out = E @ h (float32 [V], padded rows included); token_out[0] = argmax over
     ids < valid_vocab (lowest id on ties). h [D] or [1, D]; E [V, D] contiguous; partials
     int64 with >= lm_head_partials_numel(V, block_n) elements. With norm_w [D] the final
@@ -275,12 +280,13 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
     chosen; `ring` (int64 [R], with pos): ring[pos % R] = token before the advance.
     `persistent` (programs per SM, 0 = the grid form of one program per row block),
     `num_stages` and `evict` (E's loads marked evict-first) complete the plan; unset, they and
-    the tile sizes come from lm_head_plan.
+    the tile sizes come from lm_head_plan. `pdl`: see _common.pdl_mode.
     Returns token_out."""
-    if E.dim() != 2 or not E.is_contiguous() or E.dtype not in _DTYPES:
+    pdl = check_pdl(pdl, "lm_head_argmax")
+    if E.dim() != 2 or not E.is_contiguous() or E.dtype not in FLOAT_DTYPES:
         raise ValueError("lm_head_argmax: E must be a contiguous [V, D] float matrix")
     V, D = E.shape
-    if h.numel() != D or not h.is_contiguous() or h.dtype not in _DTYPES:
+    if h.numel() != D or not h.is_contiguous() or h.dtype not in FLOAT_DTYPES:
         raise ValueError(f"lm_head_argmax: h must be a contiguous [{D}] float vector")
     if not 1 <= int(valid_vocab) <= V:
         raise ValueError(f"lm_head_argmax: valid_vocab must be in 1..{V}")
@@ -314,14 +320,14 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
             raise ValueError("lm_head_argmax: all tensors must be on one device")
     if persistent:
         # one key per program; the grid never exceeds the row blocks (sm_count is cached)
-        nkeys = min(nb, persistent * _gemv.sm_count(h.device))
+        nkeys = min(nb, persistent * sm_count(h.device))
         bk = next_pow2(D)
         _lm_head_persistent_kernel[(nkeys,)](
             h, norm_w if norm_w is not None else h, E, logits_out, partials, V, int(valid_vocab),
             D, E.stride(0), float(eps), nb, PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
             BLOCK_K=bk, MASK_N=V % block_n != 0, MASK_K=D != bk, STAGES=int(num_stages or 1),
-            EVICT=bool(evict), PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
-            **_gemv._launch_kw(h.device))
+            EVICT=bool(evict), PDL=pdl, num_warps=num_warps,
+            **launch_kw(pdl))
     else:
         nkeys = nb
         block_x = min(1024, next_pow2(D))
@@ -330,15 +336,15 @@ def lm_head_argmax(h: torch.Tensor, E: torch.Tensor, valid_vocab: int,
                                PRO=1 if norm_w is not None else 0, BLOCK_N=block_n,
                                BLOCK_K=block_k, BLOCK_X=block_x, ONE_X=block_x >= D,
                                MASK_N=V % block_n != 0, MASK_K=D % block_k != 0,
-                               PDL=_gemv.pdl_mode(h.device), num_warps=num_warps,
-                               **_gemv._launch_kw(h.device))
+                               PDL=pdl, num_warps=num_warps,
+                               **launch_kw(pdl))
     # one program, one pass over the keys when they fit (16 warps hold 16K keys)
     block = min(ARGMAX_BLOCK_MAX, next_pow2(nkeys))
     _argmax_keys_kernel[(1,)](partials, nkeys, token_out, *_count_args(counts, token_out, pos, ring),
                               BLOCK=block, COUNT=counts is not None, ADVANCE=pos is not None,
                               RING=ring.numel() if ring is not None else 0,
-                              PDL=_gemv.pdl_mode(h.device), num_warps=16 if block >= 8192 else 4,
-                              **_gemv._launch_kw(h.device))
+                              PDL=pdl, num_warps=16 if block >= 8192 else 4,
+                              **launch_kw(pdl))
     return token_out
 
 
@@ -665,14 +671,3 @@ def sample_from_logits(logits: torch.Tensor, params: torch.Tensor, counts: torch
         CHUNK=chunk_f, BLOCK_NB=block_nb, DRAW_BLOCK=draw_block, COUNT=bool(count),
         ADVANCE=pos is not None, RING=ring.numel() if ring is not None else 0, num_warps=8)
     return token_out
-
-
-def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:
-    """A fresh int32 [2, vocab] counts tensor from host id lists (allocates: call it when
-    sampling starts, outside any captured graph)."""
-    counts = torch.zeros(2, vocab, dtype=torch.int32)
-    for row, ids in enumerate((context_ids, generated_ids)):
-        if len(ids):
-            t = torch.as_tensor(list(ids), dtype=torch.int64)
-            counts[row] += torch.bincount(t, minlength=vocab)[:vocab].to(torch.int32)
-    return counts.to(device) if device is not None else counts

@@ -27,8 +27,8 @@ def test_call_sites_take_their_kernels_in_order():
     from tritonchat.engine.profile_step import attribute_sites, per_site
     sites = ["embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "gemv_attn_o_proj",
              "lm_head_norm_argmax"]
-    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_attn_decode_kernel",
-               "_fused_gemv_persistent_kernel", "_lm_head_kernel", "_argmax_keys_kernel"]
+    kernels = ["_embedding_gather_kernel", "_gemv_kernel", "_attn_decode_kernel",
+               "_gemv_persistent_kernel", "_lm_head_kernel", "_argmax_keys_kernel"]
     assert attribute_sites(sites, kernels) == [
         "embedding_gather", "gemv_attn_qkv_norm", "attention_decode", "gemv_attn_o_proj",
         "lm_head_norm_argmax", "lm_head_norm_argmax"]
@@ -50,7 +50,7 @@ def test_call_sites_take_their_kernels_in_order():
 def test_critical_path_shares_sum_to_the_span_under_overlap():
     from tritonchat.engine.profile_step import per_site
     sites = ["embedding_gather", "gemv_attn_qkv_norm", "gemv_attn_o_proj"]
-    kernels = ["_embedding_gather_kernel", "_fused_gemv_kernel", "_fused_gemv_persistent_kernel"]
+    kernels = ["_embedding_gather_kernel", "_gemv_kernel", "_gemv_persistent_kernel"]
     events = []
     for step in range(3):
         t = step * 1000.0                 # a gap between replays: nobody's share

@@ -360,13 +360,14 @@ def range_table(tmp_path, monkeypatch):
     groups) its merge is the o_proj's. Returns a function of the backend (and bounds)."""
     import json
 
+    from tritonchat.kernels import _common
     from tritonchat.kernels import gemv as G
 
     def install(tri, bounds=(24, 30), attention=None, defer_groups=1):
         entries = []
         for (shape, pro, epi), plan in tri._fplans.items():
             n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
-            e = dict(plan, key=G.fused_key(n_out, shape[1], pro, epi))
+            e = dict(plan, key=G.plan_key(n_out, shape[1], pro, epi))
             if bounds and pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
                 e["context_ranges"] = [
                     dict(below=bounds[0], split_k=1, block_n=2, block_k=16, num_warps=4, persistent=1),
@@ -378,15 +379,15 @@ def range_table(tmp_path, monkeypatch):
                                 defer_splits=2, defer_groups=defer_groups, context_ranges=[attention]))
         table = tmp_path / "decode_tuning.json"
         table.write_text(json.dumps({"entries": entries}))
-        monkeypatch.setattr(G, "DECODE_TABLE_PATH", str(table))
-        G.decode_table.cache_clear()
+        monkeypatch.setattr(_common, "DECODE_TABLE_PATH", str(table))
+        _common.decode_table.cache_clear()
         tri.set_context_ranges(False)
         tri.set_context_ranges(True)                 # the plans again, from this table
         want = sorted(set(bounds) | ({attention["from"]} if attention else set()))
         assert tri.context_range_bounds == want
 
     yield install
-    G.decode_table.cache_clear()
+    _common.decode_table.cache_clear()
 
 
 def _plans_by_position(ref, tri, launch: str, plan_of, new_tokens: int) -> dict[int, set]:

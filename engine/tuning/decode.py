@@ -1,13 +1,13 @@
-"""Sweep the fused decode kernels (v2) on the GPU and write decode_tuning.json.
+"""Sweep the fused decode kernels on the GPU and write decode_tuning.json.
 
-    python -m tritonchat.kernels.tune_decode --out kernels/decode_tuning.json [--quick]
-    python -m tritonchat.kernels.tune_decode --bench [--table kernels/decode_tuning.json]
+    python -m tritonchat.engine.tuning.decode --out kernels/decode_tuning.json [--quick]
+    python -m tritonchat.engine.tuning.decode --bench [--table kernels/decode_tuning.json]
 
 The sweep times every fused GEMV of the 0.8B decode step at its true shape and epilogue over
-(block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode_core, each
+(block_n, block_k, num_warps, split_k), and BLOCK_V / num_warps of gdn_decode, each
 config replayed in a CUDA graph (`do_bench_cudagraph`: the engine replays the step in a graph,
-so host launch cost must not count). The launchers read the winners by key (gemv.fused_plan,
-gdn_decode._core_plan, sampling.lm_head_plan) and fall back to heuristics for missing keys.
+so host launch cost must not count). The launchers read the winners by key (gemv.plan,
+gdn_decode._plan, sampling.lm_head_plan) and fall back to heuristics for missing keys.
 --quick (< 4 minutes, compiles included) sweeps a narrower grid.
 
 --bench prints µs and GB/s of every fused kernel at the true shapes with the plans the
@@ -25,9 +25,11 @@ import time
 import torch
 import triton
 
-from . import gemv as G
-from .gdn_decode import gdn_decode_core
-from .sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
+from tritonchat.kernels import _common
+from tritonchat.kernels import gemv as G
+from tritonchat.kernels._common import pdl_mode
+from tritonchat.kernels.gdn_decode import gdn_decode
+from tritonchat.kernels.sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
 
 # the 0.8B text model (docs/qwen35-text-model.md section 1)
 D, I, V = 1024, 3584, 248320
@@ -42,17 +44,17 @@ DT = torch.bfloat16
 
 # (key, n_out, k, prologue, epilogue, what)
 GEMVS = [
-    (G.fused_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
+    (G.plan_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
      "GDN in_proj qkv|b|a + input norm + causal conv"),
-    (G.fused_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
+    (G.plan_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
      "attention q|k|v + input norm"),
-    (G.fused_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
+    (G.plan_key(I, D, "rms", "silu_mul"), I, D, "rms", "silu_mul",
      "MLP gate|up + post norm + SiLU*mul"),
-    (G.fused_key(D, HV * DV, "gated", "residual"), D, HV * DV, "gated", "residual",
+    (G.plan_key(D, HV * DV, "gated", "residual"), D, HV * DV, "gated", "residual",
      "GDN out_proj + gated norm + residual"),
-    (G.fused_key(D, H * HD, "none", "residual"), D, H * HD, "none", "residual",
+    (G.plan_key(D, H * HD, "none", "residual"), D, H * HD, "none", "residual",
      "attention o_proj + residual"),
-    (G.fused_key(D, I, "none", "residual"), D, I, "none", "residual",
+    (G.plan_key(D, I, "none", "residual"), D, I, "none", "residual",
      "MLP down + residual"),
 ]
 LM_KEY = f"lm_head:{V}x{D}:rms"
@@ -101,7 +103,7 @@ class _Gemv:
 
     def fn(self, p=None):
         p = p or {}
-        return lambda: G.gemv_fused(self.x, self.W, self.out, partials=self.partials,
+        return lambda: G.gemv(self.x, self.W, self.out, partials=self.partials,
                                     counters=self.counters, **p, **self.kw)
 
 
@@ -136,7 +138,7 @@ def tune_gemvs(quick: bool, log, deadline: float) -> list[dict]:
         best = None
         best_direct = None                       # split_k = 1: what "split-K off" runs
         t0 = time.time()
-        first = G.fused_heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
+        first = G.heuristic_plan(n_out, k, pro, DV if pro == "gated" else 0,
                                        epi == "silu_mul")
         for p in [first, *_gemv_grid(n_out, k, pro, quick)]:
             if best is not None and time.time() > deadline:
@@ -240,7 +242,7 @@ def tune_core(quick: bool, log) -> list[dict]:
              for bv in ([8, 16, 32] if quick else [4, 8, 16, 32, 64])
              for w in ([2, 4] if quick else [1, 2, 4, 8])
              for zbn in ([2, 4, 8] if quick else [1, 2, 4, 8, 16])]
-    us, p = _fastest(plans, lambda p: (lambda: gdn_decode_core(
+    us, p = _fastest(plans, lambda p: (lambda: gdn_decode(
         proj, A_log, dt_bias, state, o, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK,
         head_v_dim=DV, **p, **z)), 10, "gdn_core", log)
     nbytes = state.numel() * 4 * 2 + z["z_weight"].numel() * 2
@@ -268,7 +270,7 @@ def replay_ms(graph, n: int, before=None) -> float:
 def hbm_read_gb_s(nbytes: int = 1_505_000_000) -> float:
     """Measured HBM read bandwidth over a weights-sized buffer: the faster of a torch sum and
     our whole-row streaming read, as the bench's roofline (bandwidth.read_rates_gb_s)."""
-    from .bandwidth import read_rates_gb_s
+    from tritonchat.kernels.bandwidth import read_rates_gb_s
     return max(read_rates_gb_s(nbytes, "cuda", reps=6).values())
 
 
@@ -281,11 +283,11 @@ def bench_kernels(log) -> None:
     for key, n_out, k, pro, epi, what in GEMVS:
         g = _Gemv(n_out, k, pro, epi)
         us = _bench_us(g.fn(), rep=50)
-        p = G.fused_plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
+        p = G.plan(n_out, k, pro, epi, DV if pro == "gated" else 0)
         log(f"  {key:38s} {us:8.2f} us {g.nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  {p}  {what}")
         del g
     proj, A_log, dt_bias, state, o, z = _core_setup()
-    us = _bench_us(lambda: gdn_decode_core(proj, A_log, dt_bias, state, o, num_k_heads=HK,
+    us = _bench_us(lambda: gdn_decode(proj, A_log, dt_bias, state, o, num_k_heads=HK,
                                            num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, **z),
                    rep=50)
     nbytes = state.numel() * 8 + z["z_weight"].numel() * 2
@@ -300,8 +302,8 @@ def bench_kernels(log) -> None:
 def bench_step(log, context: int = 256) -> int:
     """A whole synthetic decode step (fused sequence, 24 layers, own weights) in one graph;
     returns the weight bytes one step streams."""
-    from .attention_decode import (attention_decode, counters_numel, partials_numel, plan_num_splits,
-                                   tile_positions)
+    from tritonchat.kernels.attention_decode import (attention_decode, counters_numel, partials_numel,
+                                                     plan_num_splits, tile_positions)
     torch.manual_seed(0)
     layers = []
     for kind in LAYER_TYPES:
@@ -342,35 +344,35 @@ def bench_step(log, context: int = 256) -> int:
     lpart = torch.empty(lm_head_partials_numel(V, lp["block_n"]), device="cuda", dtype=torch.int64)
     sc = dict(partials=part, counters=cnt)
 
-    def step():
+    def step(pm: int):
         for L in layers:
             if L["kind"] == "gdn":
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkvba"], proj, conv_state=L["conv_state"],
-                               conv_w=L["conv_w"], **sc)
-                gdn_decode_core(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
+                G.gemv(h, L["qkvba"], proj, norm_w=L["in_norm"], eps=EPS, conv_state=L["conv_state"],
+                               conv_w=L["conv_w"], pdl=pm, **sc)
+                gdn_decode(proj, L["A_log"], L["dt_bias"], L["state"], o, num_k_heads=HK,
                                 num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, z_weight=L["z_w"],
-                                z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS)
-                G.gemv_fused(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
-                             eps=EPS, residual=h, **sc)
+                                z_x=h, z_norm_w=L["in_norm"], z_out=zbuf, z_eps=EPS, pdl=pm)
+                G.gemv(o, L["out_proj"], h, norm_w=L["norm_w"], gate=zbuf, head_dim=DV,
+                             eps=EPS, residual=h, pdl=pm, **sc)
             else:
-                G.gemv_rmsnorm(h, L["in_norm"], EPS, L["qkv"], aproj, **sc)
+                G.gemv(h, L["qkv"], aproj, norm_w=L["in_norm"], eps=EPS, pdl=pm, **sc)
                 q_n, kv_n = 2 * H * HD, KV * HD
                 attention_decode(aproj[:q_n], aproj[q_n:q_n + kv_n], aproj[q_n + kv_n:],
                                  L["q_norm"], L["k_norm"], L["kc"], L["vc"], pos, aout, apart, acnt,
                                  num_heads=H, num_kv_heads=KV, head_dim=HD, rotary_dim=ROT,
-                                 rope_theta=1e7, eps=EPS, num_splits=splits)
-                G.gemv_fused(aout, L["o_proj"], h, residual=h, **sc)
-            G.gemv_rmsnorm(h, L["post_norm"], EPS, L["gate_up"], act, silu_mul=True, **sc)
-            G.gemv_fused(act, L["down"], h, residual=h, **sc)
-        lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS)
+                                 rope_theta=1e7, eps=EPS, num_splits=splits, pdl=pm)
+                G.gemv(aout, L["o_proj"], h, residual=h, pdl=pm, **sc)
+            G.gemv(h, L["gate_up"], act, norm_w=L["post_norm"], eps=EPS, silu_mul=True, pdl=pm, **sc)
+            G.gemv(act, L["down"], h, residual=h, pdl=pm, **sc)
+        lm_head_argmax(h, E, V, logits, tok, lpart, norm_w=final_norm, eps=EPS, pdl=pm)
 
     for pdl in ([False, True] if torch.cuda.get_device_capability()[0] >= 9 else [False]):
-        G.USE_PDL = pdl
-        step()
+        pm = pdl_mode(pdl, False, "cuda")
+        step(pm)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
+            step(pm)
         for _ in range(3):
             graph.replay()
         ms = replay_ms(graph, 50)
@@ -378,13 +380,12 @@ def bench_step(log, context: int = 256) -> int:
             f"{1e3 / ms:.0f} tok/s; weights {weight_bytes / 1e9:.3f} GB -> "
             f"{weight_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")
         del graph
-    G.USE_PDL = False
     return weight_bytes
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=G.DECODE_TABLE_PATH)
+    ap.add_argument("--out", default=_common.DECODE_TABLE_PATH)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true", help="time the fused kernels, no sweep")
     ap.add_argument("--table", default=None, help="read this table instead of the packaged one")
@@ -397,8 +398,8 @@ def main(argv=None) -> int:
         return 2
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.table:
-        G.DECODE_TABLE_PATH = args.table
-        G.decode_table.cache_clear()
+        _common.DECODE_TABLE_PATH = args.table
+        _common.decode_table.cache_clear()
     t0 = time.time()
     if args.bench:
         bw = hbm_read_gb_s()

@@ -1,12 +1,14 @@
-"""Prefill GEMM (tl.dot) against the PyTorch reference: plain, residual, SiLU*mul epilogues."""
+"""kernels/gemm.py against reference.gemm_ref: prefill GEMM (tl.dot) with the plain, residual
+and SiLU*mul epilogues, and its tile table."""
 import pytest
 import torch
 
 from tritonchat.kernels.gemm import gemm
-from tritonchat.kernels.prefill_reference import gemm_ref
+from tritonchat.kernels.reference import gemm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]
+# length 1 and the chunk boundaries 63/64/65 in the fast run; the rest of the sweep is slow
+T_LIST = [1, 63, 64, 65] + [pytest.param(t, marks=pytest.mark.slow) for t in (2, 3, 4, 127, 200)]
 
 
 def _tol(dtype):
@@ -130,44 +132,40 @@ def test_gemm_true_shapes_bf16(name):
 # ------------------------------------------------------------------------------------------
 # The tile table written by tune_prefill (read back by every prefill launcher)
 # ------------------------------------------------------------------------------------------
-def _write_table(tmp_path, monkeypatch, configs):
+def _write_table(tmp_path, configs):
     import json
-    from tritonchat.kernels import gemm as gemm_mod
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"version": 1, "configs": configs}))
-    monkeypatch.setenv(gemm_mod.TUNING_ENV, str(path))
-    gemm_mod.clear_tuning_cache()
-    return gemm_mod
+    return str(path)
 
 
-def test_tuned_config_buckets_and_validation(tmp_path, monkeypatch):
+def test_tuned_config_buckets_and_validation(tmp_path):
+    from tritonchat.kernels import gemm as m
     good = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=1)
-    m = _write_table(tmp_path, monkeypatch, {
+    t = _write_table(tmp_path, {
         "gemm_plain_N48_K40": {"128": good, "2048": dict(good, BLOCK_M=64)},
         "gemm_residual_N48_K40": {"128": dict(good, BLOCK_N=0)},          # invalid: ignored
         "gemm_silu_mul_N24_K40": {"128": {"BLOCK_M": 32}},                 # missing keys: ignored
     })
-    try:
-        assert [m.t_bucket(t) for t in (64, 400, 600, 2048, 4000, 4200, 10 ** 6)] == \
-            [128, 128, 2048, 2048, 2048, 8192, 8192]
-        assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS) == good
-        assert m.tuned_config("gemm_plain_N48_K40", 3000, m.GEMM_KEYS)["BLOCK_M"] == 64
-        assert m.tuned_config("gemm_plain_N48_K40", 8192, m.GEMM_KEYS) is None   # bucket absent
-        assert m.tuned_config("gemm_plain_N48_K40", 20, m.GEMM_KEYS) is None     # short prompt
-        assert m.tuned_config("gemm_residual_N48_K40", 128, m.GEMM_KEYS) is None
-        assert m.tuned_config("gemm_silu_mul_N24_K40", 128, m.GEMM_KEYS) is None
-        assert m._gemm_config(100, 48, 40, False)["BLOCK_M"] == 32
-        assert m._gemm_config(100, 48, 40, False, residual=True) == m._gemm_default_config(100, 48, 40, False)
-        # the launcher runs with the table's tiles and still computes the product
-        x, W, r = _data(100, 48, 40, torch.float32, seed=1)
-        out = torch.empty(100, 48, device=DEVICE)
-        gemm(x, W, out)
-        torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out)), rtol=1e-5, atol=1e-5)
-        monkeypatch.setenv(m.TUNING_ENV, str(tmp_path / "absent.json"))
-        m.clear_tuning_cache()
-        assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS) is None
-    finally:
-        m.clear_tuning_cache()
+    assert [m.t_bucket(t) for t in (64, 400, 600, 2048, 4000, 4200, 10 ** 6)] == \
+        [128, 128, 2048, 2048, 2048, 8192, 8192]
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS, t) == good
+    assert m.tuned_config("gemm_plain_N48_K40", 3000, m.GEMM_KEYS, t)["BLOCK_M"] == 64
+    assert m.tuned_config("gemm_plain_N48_K40", 8192, m.GEMM_KEYS, t) is None   # bucket absent
+    assert m.tuned_config("gemm_plain_N48_K40", 20, m.GEMM_KEYS, t) is None     # short prompt
+    assert m.tuned_config("gemm_residual_N48_K40", 128, m.GEMM_KEYS, t) is None
+    assert m.tuned_config("gemm_silu_mul_N24_K40", 128, m.GEMM_KEYS, t) is None
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS, None) is None  # no table
+    assert m.gemm_config(100, 48, 40, False, table=t)["BLOCK_M"] == 32
+    assert m.gemm_config(100, 48, 40, False, residual=True, table=t) == \
+        m.gemm_config(100, 48, 40, False, table=None)
+    # the launcher runs with the table's tiles and still computes the product
+    x, W, r = _data(100, 48, 40, torch.float32, seed=1)
+    out = torch.empty(100, 48, device=DEVICE)
+    gemm(x, W, out, table=t)
+    torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out)), rtol=1e-5, atol=1e-5)
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS,
+                          str(tmp_path / "absent.json")) is None
 
 
 @pytest.mark.parametrize("cfg", [
@@ -184,19 +182,3 @@ def test_gemm_explicit_config(cfg):
     out = torch.empty(T, N // 2, device=DEVICE)
     gemm(x, W, out, silu_mul=True, config=cfg)
     torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out), silu_mul=True), rtol=1e-5, atol=1e-5)
-
-
-def test_tuner_grids_are_launchable_configs():
-    """Every config the tuner may write carries exactly the keys its launcher reads."""
-    from tritonchat.kernels import conv1d, flash_attention, gdn_chunk, gemm as gemm_mod
-    from tritonchat.kernels import tune_prefill as tp
-    for quick in (True, False):
-        for T in (128, 2048, 8192):
-            for silu in (False, True):
-                g = tp.gemm_grid(quick, T, silu)
-                assert g and all(set(c) == set(gemm_mod.GEMM_KEYS) for c in g)
-                assert not silu or all(c["BLOCK_N"] <= 128 for c in g)
-            assert all(set(c) == set(conv1d.CONV_KEYS) for c in tp.conv_grid(quick, T))
-            assert all(set(c) == set(flash_attention.ATTN_KEYS) for c in tp.attn_grid(quick, T))
-        assert all(set(c) == set(gdn_chunk.GDN_KEYS) for c in tp.gdn_grid(quick))
-        assert len(tp.gemm_grid(True, 2048, False)) < len(tp.gemm_grid(False, 2048, False))

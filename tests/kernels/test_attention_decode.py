@@ -1,16 +1,19 @@
-"""Gated attention decode (QK norm, partial RoPE, KV write, split-KV GQA softmax, output gate)
-vs the reference, at awkward positions and split counts; cache slots >= p hold NaN so any read
-of them shows up."""
+"""kernels/attention_decode.py against reference.attention_decode_ref: gated attention decode
+(QK norm, partial RoPE, KV write, split-KV GQA softmax, output gate) at awkward positions and
+split counts, the merge deferred to the o_proj; cache slots >= p hold NaN so any read of them
+shows up."""
 import pytest
 import torch
+
+from tritonchat.kernels import _common
 
 from tritonchat.kernels.attention_decode import (attention_decode, attention_plan,
                                                  counters_numel, deferred_merge,
                                                  groups_deferrable, partials_numel,
                                                  plan_num_splits, tile_positions)
-from tritonchat.kernels.gemv import gemv_fused
-from tritonchat.kernels.hostmath import cdiv
-from tritonchat.kernels.reference import attention_decode_ref, gemv_fused_ref
+from tritonchat.kernels.gemv import gemv
+from tritonchat.kernels._common import cdiv
+from tritonchat.kernels.reference import attention_decode_ref, gemv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -102,7 +105,7 @@ def test_attention_shapes(H, Hkv, hd, rot, dtype):
 
 def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
     """attention_decode(defer_splits=defer, defer_groups=groups) at `pos`, then the o_proj
-    (gemv_fused with merge=, residual): (the attention's out, started as NaN; the o_proj's
+    (gemv with merge=, residual): (the attention's out, started as NaN; the o_proj's
     result; the reference attention, output gate and o_proj). The counters end at zero."""
     H, Hkv, hd, rot, n_out = 4, 2, 32, 16, 24          # K = 128: heads and head size powers of 2
     qn, kn, kc, vc, g = _setup(H, Hkv, hd, 128, pos, dtype, seed=seed)
@@ -112,7 +115,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary_dim=rot, rope_theta=THETA,
               eps=EPS)
     o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, pos, **kw)
-    want, _ = gemv_fused_ref(o_ref, W, residual=h)
+    want, _ = gemv_ref(o_ref, W, residual=h)
     ms = merge or 8
     out = torch.full((H * hd,), float("nan"), device=DEVICE, dtype=dtype)
     partials = torch.full((partials_numel(H, hd, splits, ms),), float("nan"), device=DEVICE)
@@ -126,7 +129,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
                        num_splits=splits, defer_splits=defer, block_n=BLOCK_N,
                        merge_splits=merge, defer_groups=groups)
     y = h.clone()
-    gemv_fused(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
+    gemv(out, W, y, residual=y, merge=m, block_n=8, num_warps=4)
     return out, y, want
 
 
@@ -135,7 +138,7 @@ def _deferred_chain(pos, splits, defer, dtype, seed, merge=None, groups=False):
                                               (40, 4, 2), (40, 4, 3), (63, 8, 4), (64, 8, 4),
                                               (70, 8, 16)])
 def test_attention_merge_deferred_to_the_o_proj(pos, splits, defer, dtype):
-    """attention_decode(defer_splits=D), then the o_proj (gemv_fused with merge=, residual)
+    """attention_decode(defer_splits=D), then the o_proj (gemv with merge=, residual)
     equals the reference attention, output gate and o_proj: with <= D active splits the o_proj
     merges the split partials itself (and `out` is left untouched), with more it reads the
     attention's own merge (active splits here: 1, 1, 2, 3, 3, 4, 5, 5)."""
@@ -180,18 +183,18 @@ def test_attention_merge_in_the_o_proj_validates():
     m = deferred_merge(qg, p, part, num_heads=H, num_kv_heads=Hkv, head_dim=hd,
                        num_splits=splits, defer_splits=4, block_n=BLOCK_N)
     with pytest.raises(ValueError):       # the grid form cannot merge
-        gemv_fused(x, W, y, residual=y, merge=m, persistent=0)
+        gemv(x, W, y, residual=y, merge=m, persistent=0)
     with pytest.raises(ValueError):       # K is not heads x head_dim
-        gemv_fused(x[:64], W[:, :64].contiguous(), y, residual=y, merge=m)
+        gemv(x[:64], W[:, :64].contiguous(), y, residual=y, merge=m)
     with pytest.raises(ValueError):       # partials sized for fewer splits
-        gemv_fused(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
+        gemv(x, W, y, residual=y, merge=m._replace(num_splits=splits * 4))
     with pytest.raises(ValueError):       # more than a consumer merges at once
-        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=64))
+        gemv(x, W, y, residual=y, merge=m._replace(defer_splits=64))
     with pytest.raises(ValueError):       # 2 groups of 2 splits, one record merged
-        gemv_fused(x, W, y, residual=y, merge=m._replace(defer_splits=1, merge_splits=2,
+        gemv(x, W, y, residual=y, merge=m._replace(defer_splits=1, merge_splits=2,
                                                          defer_groups=True))
     with pytest.raises(ValueError):       # merge groups that are not a power of two
-        gemv_fused(x, W, y, residual=y, merge=m._replace(merge_splits=3))
+        gemv(x, W, y, residual=y, merge=m._replace(merge_splits=3))
     def attend(**kw):
         attention_decode(qg, x[:Hkv * hd], x[:Hkv * hd], x[:hd], x[:hd],
                          torch.zeros(Hkv, 16, hd, device=DEVICE),
@@ -207,7 +210,8 @@ def test_attention_merge_in_the_o_proj_validates():
 
 
 @pytest.mark.parametrize("one_level", [0, None], ids=["two-levels", "default"])
-@pytest.mark.parametrize("merge_splits", [1, 2, 4, 8])
+@pytest.mark.parametrize("merge_splits", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                          pytest.param(4, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("pos", [16 * 7 - 1, 16 * 7, 16 * 7 + 1])
 def test_attention_merge_over_groups_of_splits(pos, merge_splits, one_level):
     # 8 splits of 16 positions: 7 or 8 of them hold positions, merged 1, 2, 4 or 8 at a time
@@ -222,6 +226,7 @@ def test_attention_merge_over_groups_of_splits(pos, merge_splits, one_level):
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
+@pytest.mark.slow
 def test_attention_merge_of_more_groups_than_one_chunk():
     # 40 splits of 16 positions in groups of 2 (past the default one-level 4 x 2): 20 group
     # partials, merged 16 then 4 (the group level's own chunk loop)
@@ -233,6 +238,7 @@ def test_attention_merge_of_more_groups_than_one_chunk():
     _check(kc, vc, out, want, want_kc, want_vc, pos, dtype)
 
 
+@pytest.mark.slow
 def test_attention_consecutive_steps_fill_the_cache():
     # a conversation from an empty cache: each step writes slot p and reads 0..p
     H, Hkv, hd, rot, dtype = 4, 2, 24, 8, torch.float16
@@ -260,7 +266,7 @@ def test_attention_long_rope_position():
 
 def test_attention_ref_matches_prefill_reference():
     """Independent references of the same spec: decode at p == prefill of one token at p."""
-    pre = pytest.importorskip("tritonchat.kernels.prefill_reference")
+    from tritonchat.kernels import reference as pre
     H, Hkv, hd, rot, dtype, pos = 4, 2, 48, 16, torch.float16, 21
     qn, kn, kc, vc, g = _setup(H, Hkv, hd, 32, pos, dtype, seed=4)
     qg, k, v = _token(H, Hkv, hd, dtype, g)
@@ -384,15 +390,15 @@ def test_gpu_attention_cuda_graph_replay():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [False, True], ids=["splits", "groups"])
-def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, groups):
+def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(groups):
     """The engine's short-context form at the 0.8B shape: the attention leaving up to 12 active
     splits to the persistent o_proj, both captured in one CUDA graph with PDL (the o_proj reads
     the position and the gates before its wait), replayed at positions on both sides of the
     limit (768 positions = 12 splits of 64), against the reference attention and o_proj; with
     defer_groups, past the limit the o_proj merges the attention's group partials (2 at 768,
     3 at 1400, 4 at 2000)."""
-    import tritonchat.kernels.gemv as gemv_mod
-    monkeypatch.setattr(gemv_mod, "USE_PDL", True)
+    from tritonchat.kernels._common import pdl_mode
+    pdl = pdl_mode(True, False, DEVICE)
     H, Hkv, hd, rot, dtype, n_out, defer = 8, 2, 256, 64, torch.bfloat16, 1024, 12
     bn = tile_positions(H, Hkv, hd)
     splits = plan_num_splits(33280, Hkv, block_n=bn)
@@ -412,9 +418,10 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, 
 
     def step():
         attention_decode(qg, k, v, qn, kn, kc, vc, pos, out, part, cnt, num_splits=splits,
-                         defer_splits=defer, defer_groups=groups, **kw)
+                         defer_splits=defer, defer_groups=groups, pdl=pdl, **kw)
         y.copy_(h0)
-        gemv_fused(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1)
+        gemv(out, W, y, residual=y, merge=merge, block_n=8, num_warps=8, persistent=1,
+                   pdl=pdl)
 
     step()                                  # JIT before capture
     graph = torch.cuda.CUDAGraph()
@@ -424,7 +431,7 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, 
         kc[:, p:] = float("nan")
         vc[:, p:] = float("nan")
         o_ref, _, _ = attention_decode_ref(qg, k, v, qn, kn, kc, vc, p, **kw)
-        want, _ = gemv_fused_ref(o_ref, W, residual=h0)
+        want, _ = gemv_ref(o_ref, W, residual=h0)
         out.fill_(float("nan"))
         pos.fill_(p)
         graph.replay()
@@ -432,3 +439,43 @@ def test_gpu_attention_merge_deferred_to_the_o_proj_in_a_pdl_graph(monkeypatch, 
         assert bool(torch.isnan(out).all()) == (groups or cdiv(p + 1, bn) <= defer), p
         torch.testing.assert_close(y, want, rtol=6e-2, atol=6e-2)
         assert not cnt.any()
+
+
+def test_attention_range_plans_from_the_table(own_table):
+    """The attention entry's context_ranges (launch plans over ranges of positions, to the end
+    where `below` is absent) are read in ascending order of their start; malformed ones, a
+    repeated start, an empty range and sizes out of range or not powers of two are left out;
+    the entry's own plan is read as before."""
+    from tritonchat.kernels.attention_decode import attention_plan, attention_range_plans
+    ok = '"splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16'
+    bad = [  # each breaks one rule
+        '{"from": 100, "splits_per_sm": 2, "block_n": 48, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 200, "splits_per_sm": 2, "block_n": 8, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 300, "splits_per_sm": 5, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 400, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 0, "merge_splits": 16}',
+        '{"from": 500, "splits_per_sm": 2, "block_n": 32, "num_warps": 4, "num_stages": 2, "merge_splits": 32}',
+        '{"from": 600, "splits_per_sm": 2, "block_n": 32, "num_warps": 3, "num_stages": 2, "merge_splits": 16}',
+        '{"from": 700, "below": 700, ' + ok + '}', '{"from": -1, ' + ok + '}',
+        '{"from": "x", ' + ok + '}', '{"from": 800, "block_n": 32}', '7']
+    own_table(
+        '{"entries": [{"key": "attention:8x2x256", "block_n": 64, "num_warps": 8, "num_stages": 1,'
+        ' "context_ranges": [{"from": 22528, ' + ok + '}, {"from": 1000, "below": 2000, '
+        '"splits_per_sm": 1, "block_n": 16, "num_warps": 2, "num_stages": 1, "merge_splits": 2},'
+        ' {"from": 22528, ' + ok.replace('"block_n": 32', '"block_n": 64') + '}, '
+        + ", ".join(bad) + ']},'
+        '{"key": "attention:4x2x64", "context_ranges": {"from": 1}}]}')
+    long = dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
+    short = dict(splits_per_sm=1, block_n=16, num_warps=2, num_stages=1, merge_splits=2)
+    assert attention_range_plans(8, 2, 256) == [(1000, 2000, short), (22528, None, long)]
+    assert attention_plan(8, 2, 256) == dict(block_n=64, num_warps=8, num_stages=1)
+    assert attention_range_plans(4, 2, 64) == []          # not a list
+    assert attention_range_plans(4, 1, 64) == []          # no entry
+
+
+def test_the_packaged_table_has_the_long_context_attention_range():
+    """The packaged table's attention plan for long contexts (measured on the H200) is read."""
+    from tritonchat.kernels.attention_decode import attention_range_plans
+    _common.decode_table.cache_clear()
+    plans = attention_range_plans(8, 2, 256)
+    assert [(lo, hi) for lo, hi, _ in plans] == [(22528, None)]
+    assert plans[0][2] == dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)

@@ -1,6 +1,6 @@
 """Measure the prefill kernels at the true Qwen3.5-0.8B shapes and write the tile table.
 
-    python -m tritonchat.kernels.tune_prefill --out kernels/prefill_tuning.json [--quick]
+    python -m tritonchat.engine.tuning.prefill --out kernels/prefill_tuning.json [--quick]
 
 For every kernel family (the five GEMM shapes of the engine's merged projections, conv1d, the
 chunked GDN, flash attention) and every prompt length in T_BUCKETS it times a small grid of
@@ -135,7 +135,7 @@ class Bench:
     def gemm_fn(self, name: str, config):
         W, x, out, res, silu, _ = self.gemms[name]
         return lambda: gemm_mod.gemm(x, W, out, residual=out if res else None, silu_mul=silu,
-                                     config=config)
+                                     config=config, table=None)
 
     def gemm_key(self, name: str) -> str:
         W, x, out, res, silu, _ = self.gemms[name]
@@ -144,7 +144,7 @@ class Bench:
     def conv_fn(self, config):
         cd = self.dims["cd"]
         return lambda: conv_mod.causal_conv1d(self.gdn_proj[:, :cd], self.conv_w, self.conv_state,
-                                              self.conv_out, config=config)
+                                              self.conv_out, config=config, table=None)
 
     def gdn_fn(self, config):
         c, d = self.cfg, self.dims
@@ -156,7 +156,7 @@ class Bench:
                                 p[:, cd + vd + Hv:], self.A_log, self.dt_bias, self.rec, self.norm_w,
                                 self.gdn_out, num_k_heads=c.linear_num_key_heads, num_v_heads=Hv,
                                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim,
-                                eps=c.rms_norm_eps, config=config)
+                                eps=c.rms_norm_eps, config=config, table=None)
         return run
 
     def attn_fn(self, config):
@@ -166,7 +166,8 @@ class Bench:
         return lambda: attn_mod.attention_prefill(
             p[:, :q_n], p[:, q_n:q_n + kv_n], p[:, q_n + kv_n:], self.qn, self.kn, self.k_cache,
             self.v_cache, 0, self.attn_out, num_heads=d["H"], num_kv_heads=d["KV"], head_dim=d["hd"],
-            rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, config=config)
+            rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, config=config,
+            table=None)
 
 
 def _time(fn, quick: bool) -> float:
@@ -282,10 +283,6 @@ def main(argv=None) -> int:
         print("tune_prefill needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.time()
-    # time the built-in tables, not a table left over from an earlier run
-    import os
-    os.environ[gemm_mod.TUNING_ENV] = os.devnull
-    gemm_mod.clear_tuning_cache()
     torch.manual_seed(0)
     configs, report = tune(args.T, args.quick)
     data = {"version": 1, "device": torch.cuda.get_device_name(),

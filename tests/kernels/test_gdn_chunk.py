@@ -1,14 +1,16 @@
-"""Chunked Gated DeltaNet prefill (WY form) against T recurrent steps of the reference."""
+"""kernels/gdn_chunk.py: chunked Gated DeltaNet prefill (WY form) against T recurrent steps of
+reference.gdn_prefill_ref."""
 import math
 
 import pytest
 import torch
 
 from tritonchat.kernels.gdn_chunk import gdn_prefill
-from tritonchat.kernels.prefill_reference import gdn_gates_ref, gdn_prefill_ref
+from tritonchat.kernels.reference import gdn_gates_ref, gdn_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-T_LIST = [1, 2, 3, 4, 63, 64, 65, 127, 200]
+# length 1 and the chunk boundaries 63/64/65 in the fast run; the rest of the sweep is slow
+T_LIST = [1, 63, 64, 65] + [pytest.param(t, marks=pytest.mark.slow) for t in (2, 3, 4, 127, 200)]
 # grouped value heads (Hv = 2 Hk), dk != dv, neither a power of two
 SMALL = dict(num_k_heads=2, num_v_heads=4, head_k_dim=24, head_v_dim=40)
 
@@ -79,7 +81,7 @@ def test_gdn_decay_extremes(T, decay):
     _check(_inputs(T, SMALL, torch.float32, seed=7, decay=decay), SMALL, torch.float32)
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 32])
 def test_gdn_smaller_chunks(chunk):
     inputs = _inputs(70, SMALL, torch.float32, seed=3)
     out, st = _check(inputs, SMALL, torch.float32, chunk=chunk)
@@ -108,7 +110,8 @@ def test_gdn_group_of_four_tiny_dims():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split", [(64, 1), (63, 2), (1, 64), (3, 130)])
+@pytest.mark.parametrize("split", [(64, 1), (63, 2), pytest.param((1, 64), marks=pytest.mark.slow),
+                                   pytest.param((3, 130), marks=pytest.mark.slow)])
 def test_gdn_continuation_equals_one_prefill(split, dtype):
     """prefill(x1) then prefill(x2) from its final state == prefill([x1 | x2]); the padded rows
     of x1's last chunk must not leak into the state handed over."""

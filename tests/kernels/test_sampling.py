@@ -1,19 +1,33 @@
-"""LM head + argmax, and the on-device sampler: greedy exactness, the distribution of many draws
-against the reference distribution (chi-square with fixed seeds), the seed/step stream, counts."""
+"""kernels/sampling.py against reference.lm_head_argmax_ref / sample_from_logits_ref: the LM
+head + argmax (the final norm fused), and the on-device sampler: greedy exactness, the
+distribution of many draws (chi-square with fixed seeds), the seed/step stream, counts."""
 import math
 
 import pytest
 import torch
 
+from tests.kernels.util import DTYPES, EPS, Q08, tol, vec
 from tritonchat.engine.options import SamplingParams
 from tritonchat.kernels.reference import (lm_head_argmax_ref, penalized_logits_ref,
                                           sample_from_logits_ref)
-from tritonchat.kernels.sampling import (build_counts, lm_head_argmax, lm_head_partials_numel,
+from tritonchat.kernels.sampling import (lm_head_argmax, lm_head_partials_numel,
                                          params_from_sampling, params_list, sample_from_logits,
                                          sample_plan, sample_scratch_numel)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, VALID = 50, 45          # ids 45..49 play the padded embedding rows
+
+
+def build_counts(context_ids, generated_ids, vocab: int, device=None) -> torch.Tensor:
+    """A fresh int32 [2, vocab] counts tensor from host id lists (allocates: call it when
+    sampling starts, outside any captured graph)."""
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    for row, ids in enumerate((context_ids, generated_ids)):
+        if len(ids):
+            t = torch.as_tensor(list(ids), dtype=torch.int64)
+            counts[row] += torch.bincount(t, minlength=vocab)[:vocab].to(torch.int32)
+    return counts.to(device) if device is not None else counts
+
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,7 +69,7 @@ def test_lm_head_argmax_padding_and_ties():
     assert float(logits[VALID:].min()) > float(logits[:VALID].max())   # padded logits kept
 
 
-@pytest.mark.parametrize("reduce_block", [None, 256])
+@pytest.mark.parametrize("reduce_block", [pytest.param(None, marks=pytest.mark.slow), 256])
 def test_lm_head_argmax_many_blocks(reduce_block, monkeypatch):
     # 1050 row blocks: the final reduce reads them in one 2048-wide pass, or, capped at 256
     # keys per pass, loops 5 times; the winner sits in the last pass
@@ -183,9 +197,11 @@ def test_sample_candidates_follow_the_settings():
 
 @pytest.mark.parametrize("settings,n_draws", [
     (dict(temperature=0.8, top_k=5), 1),                  # candidates, merge levels
-    (dict(temperature=0.8, top_k=0, top_p=0.7), 3),       # candidates, several draws
+    pytest.param(dict(temperature=0.8, top_k=0, top_p=0.7), 3,   # candidates, several draws
+                 marks=pytest.mark.slow),
     (dict(temperature=0.8, top_k=0), 2),                  # Gumbel-max over the whole vocab
-    (dict(temperature=0.0, repetition_penalty=1.5), 1),   # greedy through the sampler
+    pytest.param(dict(temperature=0.0, repetition_penalty=1.5), 1,   # greedy, the sampler
+                 marks=pytest.mark.slow),
 ])
 def test_sample_counts_and_advances_in_its_own_launch(settings, n_draws):
     # count / pos / ring in the draw's launch: the same draws as without them, the first token
@@ -297,9 +313,9 @@ def test_sample_distribution(case):
 
 @pytest.mark.parametrize("kc,block_v,chunk", [
     (8, 16, 16),      # 2 runs a merge group, one level
-    (8, 8, 32),       # 4 runs, block = candidates (whole blocks kept)
-    (4, 8, 32),       # 8 runs, two levels, a ragged last group
-    (4, 4, 64),       # 16 runs
+    pytest.param(8, 8, 32, marks=pytest.mark.slow),  # 4 runs, block = candidates
+    pytest.param(4, 8, 32, marks=pytest.mark.slow),  # 8 runs, two levels, a ragged last group
+    pytest.param(4, 4, 64, marks=pytest.mark.slow),  # 16 runs
     (2, 4, 64),       # 32 runs
     (2, 4, 128),      # 64 runs (the most a merge program takes)
     (16, 32, 64),     # 4 runs of 16
@@ -576,3 +592,45 @@ def test_gpu_sampler_cuda_graph_reads_new_params():
         seen.add(int(tok))
     assert len(seen) > 1 and max(seen) < REAL_VALID
     assert int(so[1]) == 22
+
+
+# LM head with the final norm fused
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_argmax_with_final_norm(dtype):
+    g = torch.Generator().manual_seed(5)
+    V, D, valid = 300, 72, 290
+    h = vec(D, g, 3.0, dtype)
+    norm_w = vec(D, g, 0.2, dtype)
+    E = vec(V * D, g, 1.0, dtype).view(V, D)
+    logits = torch.full((V,), float("nan"), device=DEVICE)
+    tok = torch.full((1,), -1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(V, 16), device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, valid, logits, tok, part, norm_w=norm_w, eps=EPS, block_n=16,
+                   block_k=32, num_warps=4)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, valid, norm_w=norm_w, eps=EPS)
+    torch.testing.assert_close(logits, want_logits, **tol(dtype))
+    assert int(tok[0]) == want_tok
+
+
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_final_norm_model_shape():
+    dt = torch.bfloat16
+    V, D = Q08["V"], Q08["D"]
+    g = torch.Generator().manual_seed(6)
+    h = vec(D, g, 2.0, dt)
+    norm_w = vec(D, g, 0.2, dt)
+    E = vec(V * D, g, 0.05, dt).view(V, D)
+    from tritonchat.kernels.sampling import lm_head_plan
+    p = lm_head_plan(V, D, True)
+    logits = torch.empty(V, device=DEVICE)
+    tok = torch.empty(1, device=DEVICE, dtype=torch.int64)
+    part = torch.empty(lm_head_partials_numel(V, p["block_n"]), device=DEVICE, dtype=torch.int64)
+    lm_head_argmax(h, E, V - 243, logits, tok, part, norm_w=norm_w, eps=EPS)
+    want_logits, want_tok = lm_head_argmax_ref(h, E, V - 243, norm_w=norm_w, eps=EPS)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3)
+    assert want_logits[int(tok[0])] >= want_logits[:V - 243].max() - 1e-3

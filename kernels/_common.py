@@ -1,0 +1,148 @@
+"""Helpers every kernel module shares: dtypes, host-side grid arithmetic, the device queries
+and the launch helpers of programmatic dependent launch (PDL), and the decode tuning table.
+
+Imports nothing from the other kernel modules, so they all import it and never each other
+for these.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# the activation / weight dtypes the launchers accept
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# host-side integer helpers (grid sizes, splits)
+# ------------------------------------------------------------------------------------------
+# `triton.cdiv` is a JIT function: called from Python it costs about 2 us (argument binding),
+# and the launchers of the ~130-kernel decode step and the ~230-kernel prefill call it several
+# times per launch. These are the same functions in plain Python.
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers a >= 0, b > 0."""
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1; 0 for 0), as triton.next_power_of_2, which newer
+    Triton versions also route through a slow constexpr-function call."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+# ------------------------------------------------------------------------------------------
+# device queries
+# ------------------------------------------------------------------------------------------
+
+# read once: the eager decode path and the prefill ask at every launch, and an environment
+# lookup there cost ~2 us a launch on the device's host
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under the Triton interpreter (TRITON_INTERPRET=1, on CPU)."""
+    return _INTERPRETER
+
+
+@lru_cache(maxsize=16)
+def _sm90_plus(kind: str, index: Optional[int]) -> bool:
+    if kind != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@lru_cache(maxsize=8)
+def _sm_count_cached(kind: str, index: int) -> int:
+    if kind == "cuda":
+        return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return 4        # the interpreter: a few "SMs", so tests cover programs striding over blocks
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (4 for a CPU device under the interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _sm_count_cached("cuda", device.index if device.index is not None
+                                else torch.cuda.current_device())
+    return _sm_count_cached(device.type, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# programmatic dependent launch (sm_90+)
+# ------------------------------------------------------------------------------------------
+# A PDL-launched kernel issues its weight loads (which no kernel writes), then waits for the
+# previous kernel (gdc_wait) before reading activations. The launchers' `pdl` argument is the
+# kernels' PDL constexpr: 0 off, 1 wait then let the next kernel launch (gdc_launch_dependents
+# after the wait), 2 early trigger (at the very start: the next kernel's programs become
+# resident and start their weight prefetch while this one still runs; its gdc_wait still waits
+# for this grid to finish and flush).
+
+PDL_OFF, PDL_ON, PDL_EARLY = 0, 1, 2
+
+
+def pdl_mode(on: bool, early: bool, device) -> int:
+    """The launchers' `pdl` argument for the engine's switches: PDL_OFF when `on` is false, under
+    the interpreter and on GPUs older than sm_90; else PDL_EARLY with `early`, PDL_ON without."""
+    if not on or _INTERPRETER:
+        return PDL_OFF
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if not _sm90_plus(device.type, device.index):
+        return PDL_OFF
+    return PDL_EARLY if early else PDL_ON
+
+
+def launch_kw(pdl: int) -> dict:
+    """Extra launch keywords: launch_pdl only when PDL is on (older Triton lacks it)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def check_pdl(pdl: int, name: str) -> int:
+    """`pdl` as an int, refused unless 0, 1 or 2 (see pdl_mode)."""
+    pdl = int(pdl)
+    if pdl not in (PDL_OFF, PDL_ON, PDL_EARLY):
+        raise ValueError(f"{name}: pdl must be 0 (off), 1 or 2 (early), got {pdl}")
+    return pdl
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    # first statement of a PDL kernel: with mode 2 the next kernel may launch right away
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    # wait for the producer grid (and its memory) before touching activations
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        # let the next PDL-launched kernel start its own weight prefetch as SMs free up
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# ------------------------------------------------------------------------------------------
+# the decode tuning table (decode_tuning.json, written by engine/tuning/)
+# ------------------------------------------------------------------------------------------
+
+DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                 "decode_tuning.json")
+
+
+@lru_cache(maxsize=1)
+def decode_table() -> dict:
+    """{kernel key: entry} from decode_tuning.json; {} when absent/broken."""
+    try:
+        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
+            data = json.load(f)
+        return {str(e["key"]): e for e in data.get("entries", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
