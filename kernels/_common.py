@@ -7,6 +7,7 @@ for these.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import lru_cache
 from typing import Optional
@@ -130,19 +131,98 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------
-# the decode tuning table (decode_tuning.json, written by engine/tuning/)
+# tuned tables, one per GPU (decode_tuning.json, prefill_tuning.json; written by engine/tuning/)
 # ------------------------------------------------------------------------------------------
+# A table file holds {"tables": [table, ...]}, each table tagged with the GPU it was measured on
+# ("gpu": its name, "sm_count", "capability": [major, minor]). A kernel reads the table of the
+# GPU it runs on: the one measured on this GPU; else one measured on a GPU of the same SM count
+# and architecture (an H100 SXM takes the H200's: 132 SMs, sm_90; one log line says so); else
+# none (the plans' heuristics from the SM count; one log line). Under the interpreter (no GPU)
+# the file's first table, so the CPU tests run the tuned plans' shapes.
 
 DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                  "decode_tuning.json")
 
+_log = logging.getLogger("tritonchat.kernels")
+
+
+def gpu_identity() -> Optional[dict]:
+    """{"gpu", "sm_count", "capability"} of the current CUDA device; None without one (or under
+    the interpreter)."""
+    if interpreting() or not torch.cuda.is_available():
+        return None
+    i = torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(i)
+    return {"gpu": p.name, "sm_count": int(p.multi_processor_count), "capability": list(torch.cuda.get_device_capability(i))}
+
+
+def read_tables(path: str) -> list[dict]:
+    """The tables of a table file ([] when it is missing or broken)."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    if "tables" not in data:
+        return [data]                       # one untagged table (what the tests write)
+    tables = data["tables"]
+    return [t for t in tables if isinstance(t, dict)] if isinstance(tables, list) else []
+
+
+def select_table(tables: list[dict], gpu: Optional[dict]) -> tuple[Optional[dict], str]:
+    """(the table for `gpu`, a sentence saying which when it is not this GPU's own; "" when it
+    is). gpu None: the first table (the interpreter)."""
+    if gpu is None:
+        return (tables[0] if tables else None), ""
+    for t in tables:
+        if t.get("gpu") == gpu["gpu"] and t.get("sm_count") == gpu["sm_count"]:
+            return t, ""
+    for t in tables:
+        if t.get("sm_count") == gpu["sm_count"] and list(t.get("capability", [])) == gpu["capability"]:
+            return t, (f"no tuned table for the {gpu['gpu']}; using the one measured on the {t.get('gpu')} "
+                       f"(the same {gpu['sm_count']} SMs and architecture)")
+    return None, (f"no tuned table for the {gpu['gpu']} ({gpu['sm_count']} SMs); the kernels use plans "
+                  "derived from the SM count (tune with python -m tritonchat.engine.tuning.decode)")
+
+
+def table_for_this_gpu(path: str) -> Optional[dict]:
+    """The table of `path` for the current GPU (select_table), the choice logged once."""
+    table, note = _table_for(path, json.dumps(gpu_identity()))
+    return table
+
+
+@lru_cache(maxsize=8)
+def _table_for(path: str, gpu_key: str) -> tuple[Optional[dict], str]:
+    table, note = select_table(read_tables(path), json.loads(gpu_key))
+    if note:
+        _log.warning("tritonchat: %s", note)
+    return table, note
+
+
+def store_table(path: str, table: dict) -> None:
+    """Write `table` (tagged with gpu / sm_count / capability) into the file at `path`,
+    replacing the table of the same GPU and keeping the others."""
+    tables = [t for t in read_tables(path)
+              if (t.get("gpu"), t.get("sm_count")) != (table.get("gpu"), table.get("sm_count"))]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"tables": [table] + tables}, f, indent=1)
+        f.write("\n")
+    clear_table_cache()
+
+
+def clear_table_cache() -> None:
+    """Read the table files again (after a tuner wrote one, or in tests)."""
+    _table_for.cache_clear()
+    decode_table.cache_clear()
+
 
 @lru_cache(maxsize=1)
 def decode_table() -> dict:
-    """{kernel key: entry} from decode_tuning.json; {} when absent/broken."""
+    """{kernel key: entry} of the decode table for this GPU (table_for_this_gpu); {} when none."""
+    t = table_for_this_gpu(DECODE_TABLE_PATH)
     try:
-        with open(DECODE_TABLE_PATH, "r", encoding="utf-8") as f:
-            data = json.load(f)
-        return {str(e["key"]): e for e in data.get("entries", [])}
-    except (OSError, ValueError, KeyError, TypeError):
+        return {str(e["key"]): e for e in (t or {}).get("entries", [])}
+    except (KeyError, TypeError):
         return {}

@@ -13,7 +13,6 @@ PyTorch reference: kernels/reference.py, section "gemm": gemm_ref.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -22,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, next_pow2
+from ._common import FLOAT_DTYPES, cdiv, clear_table_cache, next_pow2, table_for_this_gpu
 
 
 # Tile table measured on the device by `python -m tritonchat.engine.tuning.prefill`; every prefill
@@ -41,14 +40,9 @@ def t_bucket(T: int) -> int:
     return min(T_BUCKETS, key=lambda b: abs(math.log2(T / b)))
 
 
-@functools.lru_cache(maxsize=4)
 def _load_tuning(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    configs = data.get("configs") if isinstance(data, dict) else None
+    """The tile configs of this GPU's table in the file (_common.table_for_this_gpu)."""
+    configs = (table_for_this_gpu(path) or {}).get("configs")
     return configs if isinstance(configs, dict) else {}
 
 
@@ -76,7 +70,7 @@ def _tuned_entry(kernel: str, bucket: int, keys: tuple[str, ...], path: str) -> 
 
 def clear_tuning_cache() -> None:
     """Forget the loaded table (after the tuner rewrites it, or in tests)."""
-    _load_tuning.cache_clear()
+    clear_table_cache()
     _tuned_entry.cache_clear()
     _gemm_config_cached.cache_clear()
 

@@ -18,7 +18,6 @@ and reports ms/token, tok/s and the fraction of the measured HBM read roofline.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -399,7 +398,7 @@ def main(argv=None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.table:
         _common.DECODE_TABLE_PATH = args.table
-        _common.decode_table.cache_clear()
+        _common.clear_table_cache()
     t0 = time.time()
     if args.bench:
         bw = hbm_read_gb_s()
@@ -413,12 +412,10 @@ def main(argv=None) -> int:
     entries = (tune_gemvs(args.quick, log, t0 + budget) + tune_core(args.quick, log)
                + tune_lm_head(args.quick, log))
     bw = hbm_read_gb_s()
-    data = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__,
-                torch=torch.__version__, quick=bool(args.quick),
-                hbm_read_gb_s=round(bw, 1), seconds=round(time.time() - t0, 1), entries=entries)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    data = dict(_common.gpu_identity(), triton=triton.__version__, torch=torch.__version__,
+                quick=bool(args.quick), hbm_read_gb_s=round(bw, 1), seconds=round(time.time() - t0, 1),
+                entries=entries)
+    _common.store_table(args.out, data)           # this GPU's table; the other GPUs' kept
     log(f"wrote {args.out} ({len(entries)} entries, {time.time() - t0:.0f} s; HBM {bw:.0f} GB/s)")
     return 0
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from tritonchat.engine.config import qwen35_08b_config
+from tritonchat.kernels import _common
 from tritonchat.kernels import conv1d as conv_mod
 from tritonchat.kernels import flash_attention as attn_mod
 from tritonchat.kernels import gdn_chunk as gdn_mod
@@ -285,10 +284,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     torch.manual_seed(0)
     configs, report = tune(args.T, args.quick)
-    data = {"version": 1, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "buckets": list(gemm_mod.T_BUCKETS), "configs": configs}
-    Path(args.out).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    data = dict(_common.gpu_identity(), version=1, torch=torch.__version__,
+                triton=__import__("triton").__version__, buckets=list(gemm_mod.T_BUCKETS), configs=configs)
+    _common.store_table(args.out, data)           # this GPU's table; the other GPUs' kept
     print("\n".join(report))
     print(f"wrote {args.out} in {time.time() - t0:.0f} s")
     return 0

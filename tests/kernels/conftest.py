@@ -14,8 +14,8 @@ def own_table(tmp_path, monkeypatch):
 
     def use(text: str):
         path.write_text(text)
-        _common.decode_table.cache_clear()
+        _common.clear_table_cache()
         return path
 
     yield use
-    _common.decode_table.cache_clear()
+    _common.clear_table_cache()

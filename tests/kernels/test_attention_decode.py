@@ -475,7 +475,7 @@ def test_attention_range_plans_from_the_table(own_table):
 def test_the_packaged_table_has_the_long_context_attention_range():
     """The packaged table's attention plan for long contexts (measured on the H200) is read."""
     from tritonchat.kernels.attention_decode import attention_range_plans
-    _common.decode_table.cache_clear()
+    _common.clear_table_cache()
     plans = attention_range_plans(8, 2, 256)
     assert [(lo, hi) for lo, hi, _ in plans] == [(22528, None)]
     assert plans[0][2] == dict(splits_per_sm=2, block_n=32, num_warps=4, num_stages=2, merge_splits=16)
