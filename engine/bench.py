@@ -84,7 +84,7 @@ def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]
     if not hasattr(be, "configure"):
         return None
     be.configure(timing=True)
-    be._timing_interval_s = 0.0                     # time every step of this pass
+    be.timing_interval_s = 0.0                     # time every step of this pass
     be.reset()
     be.prefill(prompt)
     be.begin_sampling(SamplingParams(greedy=True), prompt)
@@ -94,7 +94,7 @@ def kernel_table(be, prompt: list[int], steps: int = 24) -> Optional[list[dict]]
         tok = be.step(tok)
     rows = be.kernel_timings()
     be.configure(timing=False)
-    be._timing_interval_s = 0.5
+    be.timing_interval_s = 0.5
     return rows
 
 
@@ -127,7 +127,7 @@ def long_context_run(be, cfg, position: int, new_tokens: int, hbm_gb_s: float) -
     st.length = position
     be.pos_buf.fill_(position)
     be.h.normal_()
-    be._pending_head = True
+    be.mark_prefilled()
     be.begin_sampling(SamplingParams(greedy=True), [])
     tok = be.sample()
     tok = decode_steps(be, tok, 8)
@@ -320,6 +320,8 @@ def run_bench(args, options: EngineOptions) -> int:
     if be.name == "triton":
         # positions where the decode step changes plans (one captured graph per range)
         report["context_range_bounds"] = be.context_range_bounds
+        # "split-K: no shape splits on this GPU" where split-K on and off run the same step
+        report["split_k_note"] = be.split_k_note
     runs = []
     ref_tokens = None
     for split_k, graph in configs:

@@ -1,13 +1,11 @@
-"""The Triton backend: every decode operator is one of our kernels (tritonchat.kernels).
+"""The Triton backend: the lifecycle around the decode step (engine/decode_step.py).
 
-Everything is allocated once at load: the merged weights, the static KV cache, the GDN conv and
-recurrent states, every activation buffer, split-K partials and sampler scratch. One decode step
-(`_decode_step`) allocates nothing and reads the token id and position from device tensors, so it
-is captured once into a CUDA graph and replayed until the context is full (engine/graph.py).
-Where the decode table gives a GEMV or the attention other plans for a range of positions
-(`context_ranges`: short contexts for the q|k|v GEMV, long ones for the attention's split-KV
-launch), there is one plan set and one graph per range of positions, all captured together, and
-each step runs the range of its position (the host knows it).
+It loads and merges the weights, allocates the static KV cache, the GDN states and the buffers
+the step shares with the host, builds the DecodeStep (whose constructor plans every launch),
+captures and replays its CUDA graphs (one per context range, engine/graph.py), replays its
+recorded launches with the graph off (engine/launch_replay.py), times it for the panel, and
+reads each step's token back through a ring of pinned slots while the next step runs. Prefill
+is engine/triton_prefill.py.
 
 Load-time merges (fewer, fatter GEMVs): GDN in_proj_qkv|in_proj_b|in_proj_a|in_proj_z -> one
 matrix (decode: the in_proj GEMV reads the first three, the GDN core's launch the z rows);
@@ -20,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -29,15 +27,12 @@ from .options import EngineOptions, SamplingParams, check_switches
 from .backend import Backend
 from .config import FULL_ATTENTION, TextConfig
 from .errors import BackendUnavailableError, ContextFullError
+from .decode_step import (AttentionWeights, DecodeStep, GdnWeights, KernelTimer, Launcher, LayerWeights,
+                          StepIO)
 from .graph import capture as capture_graph
-from .graph import replay_or_capture
+from .graph import capture_ranges
 from .reference import ModelState, ReferenceModel, torch_dtype
 
-# The GPU sampler searches top-p / min-p within the TOP_K_MAX most likely tokens (top-k larger
-# than this is clamped); greedy and plain temperature sampling are exact over the whole vocab.
-# With top-k set it searches 2 x top_k candidates (at least 32; sampling.sample_candidates).
-TOP_K_MAX = 256
-TOP_K_MAX_INTERPRETER = 64   # the interpreter (CPU tests) sorts slowly: a smaller candidate cap
 TOKEN_RING = 4               # decode steps whose tokens the host can have outstanding (ring slots)
 
 
@@ -57,67 +52,6 @@ class _Readback:
         host = torch.zeros(TOKEN_RING, dtype=torch.int64, pin_memory=True)
         return cls(torch.cuda.Stream(dev), host, [torch.cuda.Event() for _ in range(TOKEN_RING)],
                    [torch.cuda.Event() for _ in range(TOKEN_RING)])
-
-
-@dataclass
-class _GdnLayer:
-    qkvbaz: torch.Tensor      # [conv_dim + 2*Hv + value_dim, D]: in_proj_qkv|b|a|z (prefill GEMM)
-    qkvba: torch.Tensor       # its first conv_dim + 2*Hv rows (the decode in_proj GEMV)
-    z_w: torch.Tensor         # its last value_dim rows, in_proj_z (the decode GDN core's launch)
-    conv_w: torch.Tensor      # [conv_dim, Kc]
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    norm_w: torch.Tensor
-    out_proj: torch.Tensor
-
-
-@dataclass
-class _AttnLayer:
-    qkv: torch.Tensor         # [2*H*hd + 2*KV*hd, D]: q|gate interleaved per head, then k, then v
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    o_proj: torch.Tensor
-
-
-@dataclass
-class _Layer:
-    kind: str
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor     # [2I, D]
-    down: torch.Tensor        # [D, I]
-    mixer: object
-
-
-@dataclass
-class _Timer:
-    """Per-kernel GPU time of eager steps, by CUDA events (only while timing is on)."""
-    events: list = field(default_factory=list)     # (name, nbytes, start, end) of the current step
-    totals: dict = field(default_factory=dict)     # name -> [launches, seconds, bytes]
-    steps: int = 0
-    step_seconds: float = 0.0
-
-
-def context_ranges(base: dict, range_plans: dict) -> list[tuple[Optional[int], dict]]:
-    """[(below, plans)] for positions [previous below or 0, below), the last (None, plans) for
-    every position past them. range_plans is {key: [(from, below, plan)]} (below None: to the
-    end); each range's plans are `base` with, for each key, the plan of its first range that
-    holds the range's start (base.get(key) where none does). A last range that no key's range
-    reaches is `base` itself."""
-    bounds = sorted({b for rps in range_plans.values() for lo, hi, _ in rps
-                     for b in (lo, hi) if b})
-    out: list[tuple[Optional[int], dict]] = []
-    for i, lo in enumerate([0] + bounds):
-        below = bounds[i] if i < len(bounds) else None
-        picked = {key: next((p for a, b, p in rps if a <= lo and (b is None or lo < b)), None)
-                  for key, rps in range_plans.items()}
-        if below is None and all(p is None for p in picked.values()):
-            out.append((None, base))
-            break
-        plans = dict(base)
-        plans.update({key: p if p is not None else base.get(key) for key, p in picked.items()})
-        out.append((below, plans))
-    return out
 
 
 class TritonBackend(Backend):
@@ -140,8 +74,11 @@ class TritonBackend(Backend):
         self.valid_vocab = min(valid_vocab or cfg.vocab_size, cfg.vocab_size)
         self._progress = progress
         self._pack_weights(weights)
+        self.launcher = Launcher()
+        self.plan_overrides: dict = {}           # DecodeStep's (the in-step tuner's and tests')
+        self._sampler = (False, 0)               # the head the step runs: sampled?, candidates
+        self._sampling_key = None                 # set once the first sampling settings came
         self._allocate(options.max_context)
-        self._gdn_block_v = None                  # from the tuned table (gdn_decode default)
         self._graph = None                        # the decode graph last replayed
         self._graphs: Optional[list] = None       # one captured decode step per context range
         self._timed_graphs: Optional[list] = None  # the same with timing events: (graph, events)
@@ -151,18 +88,14 @@ class TritonBackend(Backend):
         # compiles the kernels); a refused recording turns the option off, with the reason
         self._drop_replays()
         self.launch_cache_error: Optional[str] = None
-        self._context_ranges = bool(options.context_ranges)   # the table's per-range plans in use
-        self._set_split_k(options.split_k)
-        self._timer: Optional[_Timer] = None
-        self._timing_interval_s = 0.5
+        self._timer: Optional[KernelTimer] = None
+        self.timing_interval_s = 0.5
         self._last_timed = 0.0
         self._l2_error: Optional[str] = None     # why the GDN states cannot persist in L2
         self._l2_limit = 0                       # the L2 set aside for them now (bytes)
         self.l2_state_nodes = 0                  # kernel nodes of the last graph with the window
         # prompts up to 2,048 tokens replay a captured prefill per bucket length (CUDA)
         self.prefill_graph = options.prefill_graph and self.device.type == "cuda"
-        self._sampling_key = None
-        self._sample_kc = None               # the sampler's candidate count (sample_candidates)
         self._mode_params: Optional[SamplingParams] = None   # the settings the two above follow
         self._params = SamplingParams()
         self._pending_head = False          # prefill done, final norm + LM head not yet run
@@ -178,7 +111,7 @@ class TritonBackend(Backend):
     def _pack_weights(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.cfg
         views: dict[str, torch.Tensor] = {}
-        self.layers: list[_Layer] = []
+        self.layers: list[LayerWeights] = []
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()
@@ -197,7 +130,7 @@ class TritonBackend(Backend):
                     o += t.shape[0]
                 for n in ("q_norm.weight", "k_norm.weight", "o_proj.weight"):
                     views[a + n] = w[a + n]
-                mixer = _AttnLayer(qkv, w[a + "q_norm.weight"], w[a + "k_norm.weight"], w[a + "o_proj.weight"])
+                mixer = AttentionWeights(qkv, w[a + "q_norm.weight"], w[a + "k_norm.weight"], w[a + "o_proj.weight"])
             else:
                 g = p + "linear_attn."
                 names = ("in_proj_qkv.weight", "in_proj_b.weight", "in_proj_a.weight", "in_proj_z.weight")
@@ -212,10 +145,10 @@ class TritonBackend(Backend):
                 for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
                     views[g + n] = w[g + n]
                 n_ba = cfg.conv_dim + 2 * cfg.linear_num_value_heads
-                mixer = _GdnLayer(merged, merged[:n_ba], merged[n_ba:], conv_w, w[g + "A_log"],
+                mixer = GdnWeights(merged, merged[:n_ba], merged[n_ba:], conv_w, w[g + "A_log"],
                                   w[g + "dt_bias"].contiguous(),
                                   w[g + "norm.weight"].contiguous(), w[g + "out_proj.weight"])
-            self.layers.append(_Layer(kind, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"],
+            self.layers.append(LayerWeights(kind, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"],
                                       gate_up, w[p + "mlp.down_proj.weight"], mixer))
             for k in [k for k in w if k.startswith(p)]:
                 del w[k]                       # free the unmerged copies layer by layer
@@ -232,8 +165,7 @@ class TritonBackend(Backend):
         self._prefill_graphs = None           # captured over the state tensors replaced here
         self.options.max_context = int(max_context)
         self.state = ModelState(cfg, max_context, dev, dt)
-        D, I = cfg.hidden_size, cfg.intermediate_size
-        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D = cfg.hidden_size
         z = lambda *s, dtype=dt: torch.zeros(*s, device=dev, dtype=dtype)  # noqa: E731
         self.tok_buf = torch.zeros(1, device=dev, dtype=torch.int64)
         self.pos_buf = torch.zeros(1, device=dev, dtype=torch.int32)
@@ -241,297 +173,104 @@ class TritonBackend(Backend):
         # reads it there (copied on a side stream) while the next step is already running
         self.tok_ring = torch.full((TOKEN_RING,), -1, device=dev, dtype=torch.int64)
         self.h = z(D)                                          # residual stream
-        self.gdn_proj = z(cfg.conv_dim + 2 * cfg.linear_num_value_heads)   # [q|k|v conv out | b | a]
-        self.gdn_z = z(cfg.linear_value_dim)                                 # written by the core's launch
-        self.gdn_out = z(cfg.linear_value_dim)
-        self.attn_proj = z(2 * H * hd + 2 * KV * hd)
-        self.attn_out = z(H * hd)
-        self.act = z(I)
         self.logits_buf = z(cfg.vocab_size, dtype=torch.float32)
-        from tritonchat.kernels import attention_decode as ad
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self.attn_splits = ad.plan_num_splits(max_context, KV, sm_count=sms,
-                                              block_n=ad.tile_positions(H, KV, hd))
-        self._sms = sms
-        self.attn_partials, self.attn_counters = self._attention_scratch(self.attn_splits, ad.DEFAULT_MERGE)
         from tritonchat.kernels import sampling as S
         self.counts = torch.zeros(2, cfg.vocab_size, device=dev, dtype=torch.int32)  # [prompt, generated]
         self.sampler_params = z(S.NUM_PARAMS, dtype=torch.float32)
         self.rng_state = torch.zeros(2, device=dev, dtype=torch.int64)     # [seed, step]
-        self.top_k_max = TOP_K_MAX if dev.type == "cuda" else TOP_K_MAX_INTERPRETER
-        self.sample_scratch = torch.zeros(S.sample_scratch_numel(cfg.vocab_size, self.top_k_max), device=dev,
-                                          dtype=torch.int64)
+        self.io = StepIO(tok=self.tok_buf, pos=self.pos_buf, tok_ring=self.tok_ring, h=self.h,
+                         logits=self.logits_buf, counts=self.counts, rng_state=self.rng_state,
+                         sampler_params=self.sampler_params)
+        self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self._build_step()
 
-    def _attention_scratch(self, num_splits: int, merge_splits: int):
-        """Zeroed (partials, ticket counters) for an attention launch of this many splits and
-        merge groups of merge_splits (every launch leaves the counters zero)."""
-        from tritonchat.kernels import attention_decode as ad
-        H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        return (torch.zeros(ad.partials_numel(H, hd, num_splits, merge_splits), device=self.device,
-                            dtype=torch.float32),
-                torch.zeros(ad.counters_numel(KV, num_splits, merge_splits), device=self.device,
-                            dtype=torch.int32))
-
-    def _attention_range_plans(self) -> list:
-        """The table's attention launch plans for ranges of positions (attention_range_plans),
-        resolved for this context and GPU, each with scratch of its own (the base launch's
-        stays as it is): [(from, below, launch keywords)]."""
-        from tritonchat.kernels import attention_decode as ad
-        H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        out = []
-        for lo, hi, p in ad.attention_range_plans(H, KV, hd):
-            splits = ad.plan_num_splits(self.options.max_context, KV,
-                                        sm_count=self._sms * p["splits_per_sm"], block_n=p["block_n"])
-            out.append((lo, hi, dict(num_splits=splits, block_n=p["block_n"],
-                                     merge_splits=p["merge_splits"], num_warps=p["num_warps"],
-                                     num_stages=p["num_stages"],
-                                     scratch=self._attention_scratch(splits, p["merge_splits"]))))
-        return out
-
-    def _set_split_k(self, enabled: bool) -> None:
-        """Launch plans of every decode GEMV (block sizes and split-K from the tuned tables);
-        split-K off = the same tiles without splitting. Scratch sized for the largest."""
-        from tritonchat.kernels import gemv as G
-        from tritonchat.kernels import sampling as S
-        self.options.split_k = bool(enabled)
-        cfg = self.cfg
-        self._fplans: dict = {}
-        range_plans: dict = {}                     # key -> [(below, plan)] (context ranges)
-        need_p, need_c = 1, 1
-
-        self._plan_names: dict = {"attention": "attention_decode"}   # plan key -> kernel name
-
-        def add(name, W, prologue, epilogue, head_dim=0):
-            nonlocal need_p, need_c
-            n_out = W.shape[0] // 2 if epilogue == "silu_mul" else W.shape[0]
-            key = (tuple(W.shape), prologue, epilogue)
-            if key in self._fplans:
-                return
-            self._plan_names[key] = name
-            p = G.plan(n_out, W.shape[1], prologue, epilogue, head_dim, split_k_enabled=enabled)
-            self._fplans[key] = p
-            rps = (G.range_plans(n_out, W.shape[1], prologue, epilogue, head_dim,
-                                       split_k_enabled=enabled) if self._context_ranges else [])
-            if rps:
-                # each plan from the previous range's bound (or 0) to its own
-                range_plans[key] = [(lo, below, rp) for lo, (below, rp)
-                                    in zip([0] + [b for b, _ in rps], rps)]
-            for q in [p] + [rp for _, rp in rps]:
-                np_, nc = G.scratch_numel(n_out, q, epilogue == "silu_mul")
-                need_p, need_c = max(need_p, np_), max(need_c, nc)
-
-        for L in self.layers:
-            m = L.mixer
-            if isinstance(m, _GdnLayer):
-                add("gemv_gdn_in_proj_norm_conv", m.qkvba, "rms", "conv")
-                add("gemv_gdn_out_proj_gatednorm", m.out_proj, "gated", "residual",
-                    cfg.linear_value_head_dim)
-            else:
-                add("gemv_attn_qkv_norm", m.qkv, "rms", "plain")
-                add("gemv_attn_o_proj", m.o_proj, "none", "residual")
-            add("gemv_mlp_gate_up_norm_silu", L.gate_up, "rms", "silu_mul")
-            add("gemv_mlp_down", L.down, "none", "residual")
-        add("gemv_lm_head_norm", self.lm_head_w, "rms", "plain")   # the sampled path's LM head
-        self.gemv_partials = torch.zeros(need_p, device=self.device, dtype=torch.float32)
-        self.gemv_counters = torch.zeros(need_c, device=self.device, dtype=torch.int32)
-        # short contexts: up to this many active splits the attention leaves its merge to the
-        # o_proj's prologue (the table's defer_splits; only while the o_proj's plan is the
-        # persistent form, see _layers_step), which saves the attention's ticket and merger;
-        # with the table's defer_groups (where the merge groups are few enough), past them it
-        # leaves the merge of its groups' partials too, which saves the second ticket
-        from tritonchat.kernels.attention_decode import attention_plan, groups_deferrable
-        a_plan = attention_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self._attn_defer = a_plan.get("defer_splits", 0)
-        self._attn_groups_wanted = bool(a_plan.get("defer_groups", 0))   # the table's, every range
-        self._attn_defer_groups = self._attn_groups_wanted and groups_deferrable(
-            self.attn_splits, self._attn_defer)
-        lm = S.lm_head_plan(cfg.vocab_size, cfg.hidden_size, True)
-        self._lm_plan = lm
-        self.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, lm["block_n"]),
-                                            device=self.device, dtype=torch.int64)
-        a_ranges = self._attention_range_plans() if self._context_ranges else []
-        if a_ranges:
-            # the attention launch's plan in a range (absent from the base: the table's default)
-            range_plans["attention"] = a_ranges
-        self._ranges = context_ranges(self._fplans, range_plans)
-        self._use_range(len(self._ranges) - 1)
+    def _build_step(self) -> None:
+        """The decode step for the current options, plans and buffers (its constructor plans
+        every launch); the graphs and recorded launches of the previous one are dropped."""
+        self.decode_step = DecodeStep(self.cfg, self.layers, self.embed, self.lm_head_w, self.final_norm, self.io,
+                               self.state, max_context=self.options.max_context, valid_vocab=self.valid_vocab,
+                               split_k=self.options.split_k, context_ranges=self.options.context_ranges,
+                               pdl=self._pdl, sm_count=self._sms, launcher=self.launcher,
+                               plan_overrides=self.plan_overrides)
+        self.decode_step.set_sampler(*self._sampler)
         self._invalidate_graph()
 
+    def set_plans(self, overrides: dict) -> None:
+        """Replace launch plans by key (decode_step.gemv_key(...), or "lm_head"); {} = the
+        table's. For the in-step tuner and tests; the step is rebuilt (scratch sized anew)."""
+        self.plan_overrides = dict(overrides)
+        self._build_step()
+
+    @property
+    def split_k_note(self) -> str:
+        """'' when the tuned plans split K somewhere on this GPU, else the sentence the
+        settings and the timing panel show (split-K on and off then run the same step)."""
+        if self._split_k_splits is None:
+            step = self.decode_step if self.options.split_k else DecodeStep(
+                self.cfg, self.layers, self.embed, self.lm_head_w, self.final_norm, self.io, self.state,
+                max_context=self.options.max_context, valid_vocab=self.valid_vocab, split_k=True,
+                context_ranges=False, pdl=self._pdl, sm_count=self._sms)
+            self._split_k_splits = step.split_k_splits
+        return "" if self._split_k_splits else "split-K: no shape splits on this GPU"
+
+    _split_k_splits: Optional[list] = None
+
     # ------------------------------------------------------------------ context ranges ----
-    # Some plans are faster only at short or long contexts (decode_tuning.json, `context_ranges`
-    # of an entry). The host knows each step's position, so the engine keeps one set of plans, and
-    # one captured decode step, per range of positions, and picks by the position: the graphs
-    # are all captured together, so none is captured as the position advances.
+    # Some plans are faster only at short or long contexts (the decode table's `context_ranges`).
+    # The host knows each step's position, so the step keeps one plan set per range of
+    # positions, and the backend one captured graph per range, all captured together.
     def set_context_ranges(self, enabled: bool) -> None:
         """Use the table's per-context-range plans (the default) or its base plans at every
         position (one graph; what engine/tune_step.py tunes)."""
-        self.options.context_ranges = bool(enabled)
-        if bool(enabled) != self._context_ranges:
-            self._context_ranges = bool(enabled)
-            self._set_split_k(self.options.split_k)
-
-    def _range_of(self, pos: int) -> int:
-        for i, (below, _) in enumerate(self._ranges):
-            if below is None or pos < below:
-                return i
-        return len(self._ranges) - 1
-
-    def _use_range(self, i: int) -> None:
-        self._range = i
-        self._plans_now = self._ranges[i][1]
+        if bool(enabled) != self.options.context_ranges:
+            self.options.context_ranges = bool(enabled)
+            self._build_step()
 
     def plan_range(self) -> Optional[dict]:
-        """The context range whose kernel plans the next decode step runs: {"index", "count",
-        "start", "below" (None: to the end of the context), "tuned": the kernels whose launch
-        plan there is not the base one, by name}; None while one set of plans serves every
-        position (the ranges off, or none in the decode table)."""
-        if len(self._ranges) < 2:
-            return None
-        i = self._range_of(self.state.length)
-        below, plans = self._ranges[i]
-        tuned = sorted({self._plan_names.get(key, str(key)) for key, p in plans.items()
-                        if p is not None and p != self._fplans.get(key)})
-        return {"index": i, "count": len(self._ranges),
-                "start": self._ranges[i - 1][0] if i else 0, "below": below, "tuned": tuned}
+        """The context range whose kernel plans the next decode step runs (DecodeStep.range_info)."""
+        return self.decode_step.range_info(self.state.length)
 
     @property
     def context_range_bounds(self) -> list[int]:
         """Positions at which the decode step changes plans (and graphs); [] for one range."""
-        return [b for b, _ in self._ranges if b is not None]
+        return self.decode_step.range_bounds
 
     def graph_for(self, pos: int):
         """The captured decode step that serves position `pos` (every range's captured first if
         needed), for tools that replay it from a position they put in pos_buf. Raises when
         capture fails."""
-        from .graph import capture_ranges
-        self._use_range(self._range_of(pos))
+        self.decode_step.use_position(pos)
         if self._graphs is None:
             with torch.inference_mode():
-                self._graphs = capture_ranges(self)
-        self._graph = self._graphs[self._range]
+                self._graphs = self._capture_ranges()
+        self._graph = self._graphs[self.decode_step.range_index]
         return self._graph
 
-    # ------------------------------------------------------------------- kernel calls ----
-    def _launch(self, name: str, nbytes: int, fn, *args, **kw):
-        t = self._timer_active
-        if t is None:
-            return fn(*args, **kw)
-        # external events can be recorded inside a CUDA graph capture (event-record nodes)
-        capturing = torch.cuda.is_current_stream_capturing()
-        start = torch.cuda.Event(enable_timing=True, external=capturing)
-        end = torch.cuda.Event(enable_timing=True, external=capturing)
-        start.record()
-        fn(*args, **kw)
-        end.record()
-        t.events.append((name, nbytes, start, end))
+    def _mutable(self) -> list:
+        """What a decode step writes (restored around a graph capture's warm-up)."""
+        st = self.state
+        return [*st.conv.values(), *st.rec.values(), self.tok_buf, self.pos_buf, self.h, self.counts,
+                self.rng_state]
 
-    _timer_active: Optional[_Timer] = None
+    def _capture_ranges(self) -> list:
+        return capture_ranges(self.decode_step, lambda: capture_graph(self.decode_step, self._mutable(), l2=self))
 
-    def _gemv(self, name: str, x, W, out, prologue: str = "none", epilogue: str = "plain", **kw):
-        """One fused decode GEMV (RMSNorm / gated-norm prologue; residual / SiLU*up / conv epilogue)."""
-        from tritonchat.kernels.gemv import gemv
-        p = self._plans_now[(tuple(W.shape), prologue, epilogue)]
-        nbytes = W.numel() * W.element_size() + x.numel() * x.element_size() + out.numel() * out.element_size()
-        self._launch(name, nbytes, gemv, x, W, out, split_k=p["split_k"], partials=self.gemv_partials,
-                     counters=self.gemv_counters, block_n=p["block_n"], block_k=p["block_k"],
-                     num_warps=p["num_warps"], persistent=p.get("persistent", 0), pdl=self._pdl, **kw)
-
-    def _layers_step(self) -> None:
-        """All layers for the token whose embedding is in self.h, at position pos_buf.
-        GDN layer: 3 launches + MLP 2; attention layer: 3 + MLP 2 (norms fused into GEMV prologues)."""
-        from tritonchat.kernels.attention_decode import (attention_decode, deferred_merge,
-                                                         groups_deferrable)
-        from tritonchat.kernels.gdn_decode import gdn_decode
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        for i, L in enumerate(self.layers):
-            m = L.mixer
-            if isinstance(m, _GdnLayer):
-                conv = self.state.conv[i]
-                self._gemv("gemv_gdn_in_proj_norm_conv", self.h, m.qkvba, self.gdn_proj, "rms", "conv",
-                           norm_w=L.input_norm, eps=eps, conv_state=conv, conv_w=m.conv_w)
-                rec = self.state.rec[i]
-                # the recurrence, and in programs of the same launch z = in_proj_z @ norm(h)
-                # (needed only by the out_proj; its rows stream while the recurrence waits)
-                zb = m.z_w.numel() * m.z_w.element_size()
-                self._launch("gdn_decode", rec.numel() * 4 * 2 + zb, gdn_decode, self.gdn_proj,
-                             m.A_log, m.dt_bias, rec, self.gdn_out, num_k_heads=cfg.linear_num_key_heads,
-                             num_v_heads=cfg.linear_num_value_heads, head_k_dim=cfg.linear_key_head_dim,
-                             head_v_dim=cfg.linear_value_head_dim, block_v=self._gdn_block_v,
-                             z_weight=m.z_w, z_x=self.h, z_norm_w=L.input_norm, z_out=self.gdn_z, z_eps=eps,
-                             pdl=self._pdl)
-                self._gemv("gemv_gdn_out_proj_gatednorm", self.gdn_out, m.out_proj, self.h, "gated", "residual",
-                           norm_w=m.norm_w, gate=self.gdn_z, head_dim=cfg.linear_value_head_dim,
-                           eps=eps, residual=self.h)
-            else:
-                self._gemv("gemv_attn_qkv_norm", self.h, m.qkv, self.attn_proj, "rms", "plain",
-                           norm_w=L.input_norm, eps=eps)
-                H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-                q_n, kv_n = 2 * H * hd, KV * hd
-                kc, vc = self.state.kv[i]
-                # bytes: the KV read is position dependent; counted at the current length
-                kv_bytes = 2 * KV * hd * kc.element_size() * max(self.state.length, 1)
-                o_plan = self._plans_now[(tuple(m.o_proj.shape), "none", "residual")]
-                defer = self._attn_defer if o_plan.get("persistent", 0) else 0
-                a_plan = self._plans_now.get("attention")
-                if a_plan is None:        # the table's plan (its sizes default in attention_decode)
-                    a_kw = dict(num_splits=self.attn_splits)
-                    partials, counters = self.attn_partials, self.attn_counters
-                    groups = bool(defer) and self._attn_defer_groups
-                else:                     # a context range's, with its own scratch
-                    a_kw = dict(a_plan)
-                    partials, counters = a_kw.pop("scratch")
-                    groups = (bool(defer) and self._attn_groups_wanted
-                              and groups_deferrable(a_plan["num_splits"], defer, a_plan["merge_splits"]))
-                a_kw["defer_groups"] = groups
-                self._launch("attention_decode", kv_bytes, attention_decode,
-                             self.attn_proj[:q_n], self.attn_proj[q_n:q_n + kv_n], self.attn_proj[q_n + kv_n:],
-                             m.q_norm, m.k_norm, kc, vc, self.pos_buf, self.attn_out, partials, counters,
-                             num_heads=H, num_kv_heads=KV, head_dim=hd, rotary_dim=cfg.rotary_dim,
-                             rope_theta=cfg.rope_theta, eps=eps, defer_splits=defer, pdl=self._pdl, **a_kw)
-                m_kw = {k: a_kw[k] for k in ("num_splits", "block_n", "merge_splits", "defer_groups")
-                        if k in a_kw}
-                merge = (deferred_merge(self.attn_proj[:q_n], self.pos_buf, partials, num_heads=H,
-                                        num_kv_heads=KV, head_dim=hd, defer_splits=defer, **m_kw)
-                         if defer else None)
-                self._gemv("gemv_attn_o_proj", self.attn_out, m.o_proj, self.h, "none", "residual",
-                           residual=self.h, merge=merge)
-            self._gemv("gemv_mlp_gate_up_norm_silu", self.h, L.gate_up, self.act, "rms", "silu_mul",
-                       norm_w=L.post_norm, eps=eps, silu_mul=True)
-            self._gemv("gemv_mlp_down", self.act, L.down, self.h, "none", "residual", residual=self.h)
-
-    def _head_step(self, sampled: bool, advance: bool = False) -> None:
-        """Final norm (fused), LM head and the choice of the next token into tok_buf (no host
-        sync); the token is counted for the penalties and, with `advance`, pos_buf += 1 in the
-        same last kernel (no separate launches)."""
-        from tritonchat.kernels import sampling as S
-        E = self.lm_head_w
-        eps = self.cfg.rms_norm_eps
-        nbytes = E.numel() * E.element_size()
-        pos = self.pos_buf if advance else None
-        if not sampled:
-            lm = self._lm_plan
-            self._launch("lm_head_norm_argmax", nbytes, S.lm_head_argmax, self.h, E, self.valid_vocab,
-                         self.logits_buf, self.tok_buf, self.lm_head_partials, norm_w=self.final_norm, eps=eps,
-                         block_n=lm["block_n"], block_k=lm["block_k"], num_warps=lm["num_warps"],
-                         persistent=lm.get("persistent", 0), num_stages=lm.get("num_stages", 1),
-                         evict=lm.get("evict", True), counts=self.counts, pos=pos,
-                         ring=self.tok_ring if advance else None, pdl=self._pdl)
-        else:
-            # (the greedy plan's persistent form was measured slower here, 0.646 against 0.618 ms)
-            self._gemv("gemv_lm_head_norm", self.h, E, self.logits_buf, "rms", "plain", norm_w=self.final_norm,
-                       eps=eps)
-            self._launch("sample", self.logits_buf.numel() * 4, S.sample_from_logits, self.logits_buf,
-                         self.sampler_params, self.counts, self.rng_state, self.tok_buf, self.sample_scratch,
-                         valid_vocab=self.valid_vocab, top_k_max=self._sample_kc, count=True, pos=pos,
-                         ring=self.tok_ring if advance else None)
-
-    def _decode_step(self) -> None:
-        """token in tok_buf at position pos_buf -> next token in tok_buf, pos_buf + 1."""
-        from tritonchat.kernels.embedding import embedding_gather
-        self._launch("embedding_gather", self.h.numel() * self.h.element_size() * 2, embedding_gather,
-                     self.tok_buf, self.embed, self.h.view(1, -1), pdl=self._pdl)
-        self._layers_step()
-        self._head_step(self._sampling_key == "sample", advance=True)
+    def _replay_graph(self) -> None:
+        """One decode step through the CUDA graph of its context range, capturing the graphs
+        first if needed; a failed capture says so once and decodes eagerly from then on."""
+        if self._graphs is None:
+            try:
+                self._graphs = self._capture_ranges()
+            except Exception as e:  # driver/memory trouble
+                self.options.graph = False
+                self._graphs = self._graph = None
+                self.graph_error = (f"CUDA Graph capture failed ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:160]}); decoding without it.")
+                print(f"tritonchat: {self.graph_error}", file=sys.stderr)
+                self.decode_step()
+                return
+        self._graph = self._graphs[self.decode_step.range_index]
+        self._graph.replay()
 
     # -------------------------------------------------------------------- Backend API ----
     @property
@@ -558,6 +297,11 @@ class TritonBackend(Backend):
         self.h.copy_(h)
         self._pending_head = True
 
+    def mark_prefilled(self) -> None:
+        """The state, pos_buf and h were filled by hand (the bench's long-context runs): the
+        next logits()/sample() runs the final norm and LM head on h."""
+        self._pending_head = True
+
     def _prefill_hidden(self, ids_t: torch.Tensor) -> torch.Tensor:
         """Pre-final-norm hidden state of the last prompt token; fills the caches/states."""
         from . import triton_prefill
@@ -571,9 +315,9 @@ class TritonBackend(Backend):
     def logits(self) -> torch.Tensor:
         if self._pending_head:
             self._ensure_sampler_mode()
-            self._use_range(self._range_of(max(0, self.state.length - 1)))
+            self.decode_step.use_position(max(0, self.state.length - 1))
             with torch.inference_mode():
-                self._head_step(self._sampling_key == "sample")
+                self.decode_step.head()
             self._pending_head = False
         return self.logits_buf
 
@@ -602,9 +346,11 @@ class TritonBackend(Backend):
         key = "argmax" if plain_greedy else "sample"
         # the sampler's candidate count follows the settings (a small top_k sorts far fewer keys);
         # a new count is a new launch geometry, so the step is captured again (on a settings change)
-        kc = self.top_k_max if p.is_greedy else sample_candidates(p.top_k, p.top_p, p.min_p, self.top_k_max)
-        if key != self._sampling_key or kc != self._sample_kc:
-            self._sampling_key, self._sample_kc = key, kc
+        top = self.decode_step.top_k_max
+        kc = top if p.is_greedy else sample_candidates(p.top_k, p.top_p, p.min_p, top)
+        self._sampling_key = key
+        self._sampler = (key == "sample", kc)
+        if self.decode_step.set_sampler(*self._sampler):
             self._invalidate_graph()
         self._mode_params = p
 
@@ -677,13 +423,13 @@ class TritonBackend(Backend):
     def _run_decode(self) -> None:
         if self.state.length >= self.options.max_context:
             raise ContextFullError(f"The context of {self.options.max_context} tokens is full.")
-        self._use_range(self._range_of(self.state.length))
+        self.decode_step.use_position(self.state.length)
         with torch.inference_mode():
-            if self._timer is not None and time.perf_counter() - self._last_timed >= self._timing_interval_s:
+            if self._timer is not None and time.perf_counter() - self._last_timed >= self.timing_interval_s:
                 self._timed_decode()
                 self._last_timed = time.perf_counter()
             elif self.options.graph and self.device.type == "cuda":
-                replay_or_capture(self)
+                self._replay_graph()
             else:
                 self._eager_step()
         self.state.length += 1
@@ -693,18 +439,18 @@ class TritonBackend(Backend):
         """One decode step without the graph: the range's recorded launches replayed from the
         host where there are some (launch_cache on, CUDA), else launched through Triton."""
         if not self.options.launch_cache or self.device.type != "cuda":
-            self._decode_step()
+            self.decode_step()
             return
-        rec = self._replays.get(self._range)
+        rec = self._replays.get(self.decode_step.range_index)
         if rec is not None and rec.stream == torch.cuda.current_stream(self.device).cuda_stream:
             rec.replay()
             return
-        if self._range not in self._eager_ran:
-            self._eager_ran.add(self._range)
-            self._decode_step()
+        if self.decode_step.range_index not in self._eager_ran:
+            self._eager_ran.add(self.decode_step.range_index)
+            self.decode_step()
             return
         from . import launch_replay
-        rec, why = launch_replay.record(self._decode_step, self.device)
+        rec, why = launch_replay.record(self.decode_step, self.device)
         if rec is None:
             # said once; eager decode launches through Triton from now on, and the option reads
             # off (as the L2 window's and the graph's do when they fail), so the stats say so
@@ -713,32 +459,32 @@ class TritonBackend(Backend):
             print(f"tritonchat: the decode step's launches cannot be replayed ({why}); launching "
                   "them through Triton.", file=sys.stderr)
         else:
-            self._replays[self._range] = rec
+            self._replays[self.decode_step.range_index] = rec
 
     @property
     def launch_replay_active(self) -> bool:
         """Whether eager decode steps replay recorded launches now (graph off, cache on, CUDA,
         the current range recorded)."""
         return (self.options.launch_cache and not self.options.graph and self.device.type == "cuda"
-                and self._range in self._replays)
+                and self.decode_step.range_index in self._replays)
 
     def _capture_timed_graph(self) -> None:
         """The decode step with an event-record node between kernels (for the timing panel), one
         per context range, as the untimed ones."""
-        from .graph import capture_ranges
         t = self._timer
 
-        def timed(backend):
+        def timed():
             t.events = []
-            return capture_graph(backend), list(t.events)   # the events recorded into it
+            graph = capture_graph(self.decode_step, self._mutable(), l2=self)
+            return graph, list(t.events)                    # the events recorded into it
 
-        self._timer_active = t
+        self.launcher.timer = t
         try:
-            self._timed_graphs = capture_ranges(self, timed)
+            self._timed_graphs = capture_ranges(self.decode_step, timed)
         except Exception:
             self._timed_graph_failed = True
         finally:
-            self._timer_active = None
+            self.launcher.timer = None
 
     def _timed_decode(self) -> None:
         """One decode step whose kernels are timed: replayed from a graph with an event-record node
@@ -746,37 +492,24 @@ class TritonBackend(Backend):
         eagerly with events when no graph can be captured (then launch gaps are included)."""
         t = self._timer
         if self.device.type != "cuda":
-            self._decode_step()
+            self.decode_step()
             return
         if self._timed_graphs is None and not self._timed_graph_failed:
             self._capture_timed_graph()
         if self._timed_graphs is not None:
-            graph, events = self._timed_graphs[self._range]
+            graph, events = self._timed_graphs[self.decode_step.range_index]
             graph.replay()
             torch.cuda.synchronize(self.device)
-            self._accumulate(events)
+            t.accumulate(events)
         else:
             t.events = []
-            self._timer_active = t
+            self.launcher.timer = t
             try:
-                self._decode_step()
+                self.decode_step()
             finally:
-                self._timer_active = None
+                self.launcher.timer = None
             torch.cuda.synchronize(self.device)
-            self._accumulate(t.events)
-
-    def _accumulate(self, events) -> None:
-        t = self._timer
-        step_s = 0.0
-        for name, nbytes, s, e in events:
-            dt = s.elapsed_time(e) * 1e-3
-            row = t.totals.setdefault(name, [0, 0.0, 0])
-            row[0] += 1
-            row[1] += dt
-            row[2] += nbytes
-            step_s += dt
-        t.steps += 1
-        t.step_seconds += step_s
+            t.accumulate(t.events)
 
     # ---------------------------------------------------------------------- warm-up ----
     # prompt lengths that reach every prefill tile class (the GEMM tiles change at 16/32/64
@@ -877,7 +610,7 @@ class TritonBackend(Backend):
             # the set-aside a little larger than the window: set to the window's size exactly,
             # the states gained nothing on the H200; 1, 2 or 4 MiB more all gave the full gain,
             # and the whole 37.5 MiB the driver allows was 7% slower (less L2 for everything
-            # else): docs/decode_log.md, stop 26
+            # else): docs/performance.md
             limit = min(nbytes + L2.SLACK_BYTES, max_persist)
             if limit != self._l2_limit:
                 L2.set_persisting_limit(limit)
@@ -926,14 +659,14 @@ class TritonBackend(Backend):
             for k, v in pdl.items():
                 setattr(self.options, k, v)
             self._apply_pdl()
-            self._drop_replays()
-            self._invalidate_graph()
+            self._build_step()
         if launch_cache is not None and bool(launch_cache) != self.options.launch_cache:
             self.options.launch_cache = bool(launch_cache)
             self._drop_replays()
             self.launch_cache_error = None
         if split_k is not None and bool(split_k) != self.options.split_k:
-            self._set_split_k(bool(split_k))
+            self.options.split_k = bool(split_k)
+            self._build_step()
         if context_ranges is not None:
             self.set_context_ranges(bool(context_ranges))
         if graph is not None and bool(graph) != self.options.graph:
@@ -944,7 +677,7 @@ class TritonBackend(Backend):
             self._invalidate_graph()
         if timing is not None:
             self.options.timing = bool(timing)
-            self._timer = _Timer() if timing else None
+            self._timer = KernelTimer() if timing else None
             self._last_timed = 0.0
             # capture the timed step now (the panel opens between answers), not inside the
             # next answer's first step, where it would cost that answer ~20 ms
@@ -959,6 +692,7 @@ class TritonBackend(Backend):
         # its weights while the previous kernel finishes
         from tritonchat.kernels._common import pdl_mode
         self._pdl = pdl_mode(self.options.pdl, self.options.pdl_early, self.options.device)
+        self._split_k_splits = None
 
     def set_max_context(self, n: int) -> None:
         self._drain()
@@ -966,23 +700,13 @@ class TritonBackend(Backend):
         del self.state
         torch.cuda.empty_cache() if self.device.type == "cuda" else None
         self._allocate(int(n))
-        self._set_split_k(self.options.split_k)
 
     def kernel_timings(self) -> Optional[list[dict]]:
-        t = self._timer
-        if t is None or t.steps == 0:
-            return None
-        rows = []
-        for name, (n, sec, nbytes) in t.totals.items():
-            rows.append({"name": name, "launches_per_token": n / t.steps, "us_per_token": sec / t.steps * 1e6,
-                         "share": sec / t.step_seconds if t.step_seconds else 0.0,
-                         "gb_s": nbytes / sec / 1e9 if sec else 0.0})
-        rows.sort(key=lambda r: -r["us_per_token"])
-        return rows
+        return self._timer.rows() if self._timer is not None else None
 
     def reset_timings(self) -> None:
         if self._timer is not None:
-            self._timer = _Timer()
+            self._timer = KernelTimer()
 
     def measure_roofline(self) -> dict:
         from tritonchat.kernels.bandwidth import read_rates_gb_s

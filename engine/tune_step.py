@@ -19,7 +19,6 @@ records the step time before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -96,7 +95,6 @@ def main(argv=None) -> int:
         return 2
     from tritonchat.kernels import _common
     from tritonchat.kernels import gemv as G
-    from tritonchat.kernels import sampling as S
     from .tuning.decode import lm_head_persistent_candidates
 
     from .options import EngineOptions, SamplingParams
@@ -113,13 +111,10 @@ def main(argv=None) -> int:
     be.prefill(list(range(1000, 1128)))
     be.begin_sampling(SamplingParams(greedy=True), [])     # the greedy step: LM head + argmax
     be.sample()
-    # split-K scratch for any candidate (the engine sizes it for the plans it holds)
-    be.gemv_partials = torch.zeros(64 * 2 * 8224, device=be.device, dtype=torch.float32)
-    be.gemv_counters = torch.zeros(8224, device=be.device, dtype=torch.int32)
     table = _common.decode_table()                     # the launchers' dict: edited in place
 
     def measure() -> float:
-        be._invalidate_graph()
+        be.set_plans(be.plan_overrides)           # a new step: captured again, table re-read
         return _step_ms(be, args.pos)
 
     # 1. where a kernel lets the next one launch
@@ -155,13 +150,12 @@ def main(argv=None) -> int:
         restore()
         return False
 
-    def set_lm(plan: dict) -> None:
-        be._lm_plan = plan
-        be.lm_head_partials = torch.zeros(S.lm_head_partials_numel(cfg.vocab_size, plan["block_n"]),
-                                          device=be.device, dtype=torch.int64)
+    def set_plan(key, plan: dict) -> None:
+        """The step with `plan` for `key` (a GEMV's key or "lm_head"); it sizes its scratch."""
+        be.set_plans(dict(be.plan_overrides, **{key: plan}))
 
     # 2. coordinate descent over the GEMV plans, the GDN core and the LM head
-    keys = [k for k in be._fplans if k[0][0] != cfg.vocab_size]   # the sampled LM head: not in the greedy step
+    keys = [k for k in be.decode_step.base_plans if k[0][0] != cfg.vocab_size]   # the sampled LM head: not in the greedy step
     core_key = f"gdn_core:{cfg.linear_num_value_heads}x{cfg.linear_key_head_dim}x{cfg.linear_value_head_dim}"
     lm_key = f"lm_head:{cfg.vocab_size}x{cfg.hidden_size}:rms"
     deadline = t_start + args.budget_s
@@ -186,11 +180,10 @@ def main(argv=None) -> int:
         for key, name, cand in queue:
             if time.time() > t_start + 0.8 * args.budget_s:     # leave time for core / LM head
                 break
-            cur = dict(be._fplans[key])
+            cur = dict(be.decode_step.base_plans[key])
             if all(cand.get(x, 0) == cur.get(x, 0) for x in cand):
                 continue
-            if trial(f"{name} {cur} -> {cand}", lambda: be._fplans.__setitem__(key, cand),
-                     lambda: be._fplans.__setitem__(key, cur)):
+            if trial(f"{name} {cur} -> {cand}", lambda: set_plan(key, cand), lambda: set_plan(key, cur)):
                 improved, changed[name] = True, dict(cand)
         # GDN core (the launcher reads the table at capture): the recurrence's tile and warps,
         # then the in_proj's z rows in its launch (rows per program, before or after the tiles)
@@ -212,10 +205,10 @@ def main(argv=None) -> int:
                     if 2048 <= bn * bk <= 16384]
         lm_cands += lm_head_persistent_candidates()
         for cand in lm_cands:
-            cur = dict(be._lm_plan)
+            cur = dict(be.decode_step.lm_plan)
             if time.time() > deadline or not wanted(lm_key) or all(cur.get(f) == v for f, v in cand.items()):
                 continue
-            if trial(f"lm_head {cur} -> {cand}", lambda: set_lm(cand), lambda: set_lm(cur)):
+            if trial(f"lm_head {cur} -> {cand}", lambda: set_plan("lm_head", cand), lambda: set_plan("lm_head", cur)):
                 improved, changed[lm_key] = True, dict(cand)
         if not improved or time.time() > deadline:
             break
@@ -224,8 +217,9 @@ def main(argv=None) -> int:
         f"({time.time() - t_start:.0f} s)")
 
     # 3. write the winners into the table file
-    with open(out_path, "r", encoding="utf-8") as f:
-        data = json.load(f)
+    gpu = _common.gpu_identity()
+    data, _ = _common.select_table(_common.read_tables(out_path), gpu)
+    data = dict(data or {}, **gpu)                # this GPU's table (a copy of the one it used)
     by_key = {e["key"]: e for e in data.get("entries", [])}
     for key, plan in changed.items():
         e = by_key.get(key)
@@ -242,9 +236,7 @@ def main(argv=None) -> int:
                        "only": only, "max_context": args.max_context,
                        "pdl_trigger_ms": {"after_wait": round(res[False], 4), "at_start": round(res[True], 4)},
                        "seconds": round(time.time() - t_start, 1)}
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    _common.store_table(out_path, data)
     log(f"wrote {out_path} ({len(changed)} plans changed)")
     be.close()
     return 0

@@ -62,15 +62,13 @@ def test_interpreter_persistent_gemv_plans_equal_reference(ckpt):
     if "odd" in str(ckpt):
         pytest.skip("one checkpoint is enough here (the interpreter is slow)")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
-    switched = 0
-    for key, plan in tri._fplans.items():
-        if key[1] != "gated":
-            tri._fplans[key] = dict(plan, split_k=1, persistent=1)
-            switched += 1
-    assert switched >= 4
-    tri._lm_plan = dict(block_n=8, block_k=cfg.hidden_size, num_warps=4, persistent=2, num_stages=2,
-                        evict=False)
-    tri.lm_head_partials = torch.zeros(lm_head_partials_numel(cfg.vocab_size, 8), dtype=torch.int64)
+    persistent = {key: dict(plan, split_k=1, persistent=1) for key, plan in tri.decode_step.base_plans.items()
+                  if key[1] != "gated"}
+    assert len(persistent) >= 4
+    persistent["lm_head"] = dict(block_n=8, block_k=cfg.hidden_size, num_warps=4, persistent=2,
+                                 num_stages=2, evict=False)
+    tri.set_plans(persistent)
+    assert tri.decode_step.lm_head_partials.numel() == lm_head_partials_numel(cfg.vocab_size, 8)
     prompt = list(range(3, 3 + 21))
     a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)
@@ -89,13 +87,11 @@ def test_interpreter_attention_merge_in_the_o_proj_equals_reference(ckpt, defer,
     if "grouped" not in str(ckpt):
         pytest.skip("the merge needs head counts and sizes that are powers of two")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
-    assert tri.attn_splits == 2
-    for L in tri.layers:
-        if hasattr(L.mixer, "o_proj"):
-            key = (tuple(L.mixer.o_proj.shape), "none", "residual")
-            tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
-    tri._attn_defer = defer
-    tri._attn_defer_groups = groups
+    assert tri.decode_step.attention_base["num_splits"] == 2
+    key = _o_proj_key(tri)
+    tri.set_plans({key: dict(tri.decode_step.base_plans[key], split_k=1, persistent=1),
+                   "attention": dict(defer_splits=defer, defer_groups=int(groups))})
+    assert tri.decode_step.defer_splits == defer and tri.decode_step.defer_groups == groups
     prompt = list(range(3, 3 + 66))
     a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=4)
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=4)
@@ -125,18 +121,18 @@ def test_interpreter_sampler_candidates_follow_the_settings(ckpt):
     p = SamplingParams(seed=7, temperature=0.9, top_k=3, top_p=0.9, presence_penalty=0.2)
     cfg, ref, tri = _pair(ckpt, graph=False)
     a = Generator(tri, []).generate([4, 5, 6], p, max_new_tokens=5).token_ids
-    assert tri._sample_kc == 32 < tri.top_k_max
+    assert tri.decode_step.candidates == 32 < tri.decode_step.top_k_max
     tri._ensure_sampler_mode = lambda: None          # hold the whole cap for the same settings
-    tri._sample_kc = tri.top_k_max
+    tri.decode_step.set_sampler(True, tri.decode_step.top_k_max)
     b = Generator(tri, []).generate([4, 5, 6], p, max_new_tokens=5).token_ids
     assert a == b
     del tri._ensure_sampler_mode
     q = SamplingParams(seed=7, top_k=0, top_p=0.5)
     Generator(tri, []).generate([4, 5, 6], q, max_new_tokens=1)
-    assert tri._sample_kc == tri.top_k_max
+    assert tri.decode_step.candidates == tri.decode_step.top_k_max
     q.top_k = 3                                       # the same settings object, changed
     Generator(tri, []).generate([4, 5, 6], q, max_new_tokens=1)
-    assert tri._sample_kc == 32
+    assert tri.decode_step.candidates == 32
 
 
 # ------------------------------------------------------------------------------------ GPU ----
@@ -215,10 +211,10 @@ def test_gpu_decode_step_allocates_nothing_and_never_syncs(ckpt):
     tri.prefill([1, 2, 3])
     tri.begin_sampling(GREEDY, [1, 2, 3])
     tri.sample()
-    tri._decode_step()                                   # compile first
+    tri.decode_step()                                           # compile first
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    tri._decode_step()
+    tri.decode_step()
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "the decode step allocated"
     # stream capture fails on any host synchronisation inside the step (captured as the engine
@@ -228,7 +224,7 @@ def test_gpu_decode_step_allocates_nothing_and_never_syncs(ckpt):
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         with no_collection(), torch.cuda.graph(g, stream=s):
-            tri._decode_step()
+            tri.decode_step()
 
 
 def _freed_without_collector(ckpt, device, dtype, graph):
@@ -323,6 +319,7 @@ def _warm_up_leaves_no_trace(ckpt, device, dtype, graph, prompt_lengths):
         assert a.token_ids == b.token_ids
 
 
+@pytest.mark.slow                      # ~90 s here; its GPU twin runs on the device
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_warm_up_leaves_no_trace(ckpt):
     _warm_up_leaves_no_trace(ckpt, "cpu", "float32", graph=False, prompt_lengths=(3, 20))
@@ -365,7 +362,7 @@ def range_table(tmp_path, monkeypatch):
 
     def install(tri, bounds=(24, 30), attention=None, defer_groups=1):
         entries = []
-        for (shape, pro, epi), plan in tri._fplans.items():
+        for (shape, pro, epi), plan in tri.decode_step.base_plans.items():
             n_out = shape[0] // 2 if epi == "silu_mul" else shape[0]
             e = dict(plan, key=G.plan_key(n_out, shape[1], pro, epi))
             if bounds and pro == "rms" and epi in ("plain", "silu_mul") and shape[0] != tri.cfg.vocab_size:
@@ -380,14 +377,14 @@ def range_table(tmp_path, monkeypatch):
         table = tmp_path / "decode_tuning.json"
         table.write_text(json.dumps({"entries": entries}))
         monkeypatch.setattr(_common, "DECODE_TABLE_PATH", str(table))
-        _common.decode_table.cache_clear()
+        _common.clear_table_cache()
         tri.set_context_ranges(False)
         tri.set_context_ranges(True)                 # the plans again, from this table
         want = sorted(set(bounds) | ({attention["from"]} if attention else set()))
         assert tri.context_range_bounds == want
 
     yield install
-    _common.decode_table.cache_clear()
+    _common.clear_table_cache()
 
 
 def _plans_by_position(ref, tri, launch: str, plan_of, new_tokens: int) -> dict[int, set]:
@@ -396,27 +393,32 @@ def _plans_by_position(ref, tri, launch: str, plan_of, new_tokens: int) -> dict[
     of the Triton backend's `launch` calls."""
     used: dict[int, set] = {}
 
-    def spy(name, nbytes, fn, *a, **k):
+    def spy(name, kw):
         if name == launch:
-            used.setdefault(tri.state.length, set()).add(plan_of(k))
-        return fn(*a, **k)
+            used.setdefault(tri.state.length, set()).add(plan_of(kw))
 
-    tri._launch = spy
+    tri.launcher.trace = spy
     try:
         prompt = list(range(3, 3 + 21))
         a = Generator(ref, []).generate(prompt, GREEDY, max_new_tokens=new_tokens)
         b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=new_tokens)
     finally:
-        del tri._launch
+        tri.launcher.trace = None
     assert a.token_ids == b.token_ids
     torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=2e-4)
     return used
 
 
 def _qkv_key(tri):
-    return next(k for k in tri._fplans if k[1:] == ("rms", "plain") and k[0][0] != tri.cfg.vocab_size)
+    return next(k for k in tri.decode_step.base_plans if k[1:] == ("rms", "plain") and k[0][0] != tri.cfg.vocab_size)
 
 
+def _o_proj_key(tri):
+    from tritonchat.engine.decode_step import gemv_key
+    return next(gemv_key(L.mixer.o_proj, "none", "residual") for L in tri.layers if hasattr(L.mixer, "o_proj"))
+
+
+@pytest.mark.slow                      # ~130 s here; the attention's range test stays fast
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
 def test_interpreter_context_ranges_pick_plans_by_position(ckpt, range_table):
     """With plans for short contexts in the table, each decode step runs the plans of its
@@ -426,7 +428,7 @@ def test_interpreter_context_ranges_pick_plans_by_position(ckpt, range_table):
         pytest.skip("one checkpoint is enough here (the interpreter is slow)")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
     range_table(tri)
-    base = tri._fplans[_qkv_key(tri)]
+    base = tri.decode_step.base_plans[_qkv_key(tri)]
     used = _plans_by_position(ref, tri, "gemv_attn_qkv_norm", lambda k: (k["persistent"], k["block_n"]), 14)
     assert min(used) < 24 and max(used) >= 30
     for pos, plans in used.items():
@@ -451,11 +453,11 @@ def test_context_ranges_switch(ckpt, range_table):
     cfg, _, tri = _pair(ckpt, device=device, dtype="bfloat16" if CUDA else "float32", graph=False)
     range_table(tri, attention=LONG_ATTENTION)
     assert tri.context_range_bounds == [24, 30] and tri.options.context_ranges
-    long = tri._ranges[-1][1]["attention"]
-    assert long["scratch"][0] is not tri.attn_partials and "scratch" not in tri._ranges[0][1]
+    long = tri.decode_step.ranges[-1][1]["attention"]
+    assert long["partials"] is not tri.decode_step.attention_base["partials"] and tri.decode_step.ranges[0][1].get("attention") is None
     tri.configure(context_ranges=False)
     assert tri.context_range_bounds == [] and not tri.options.context_ranges
-    assert tri._ranges == [(None, tri._fplans)] and "attention" not in tri._plans_now
+    assert tri.decode_step.ranges == [(None, tri.decode_step.base_plans)] and tri.decode_step.plans.get("attention") is None
     tri.configure(context_ranges=True)
     assert tri.context_range_bounds == [24, 30] and tri.options.context_ranges
     opts = tri.options.__class__(**dict(tri.options.to_dict(), context_ranges=False))
@@ -496,12 +498,10 @@ def test_interpreter_attention_context_range_equals_reference(ckpt, range_table)
     if "grouped" not in str(ckpt):
         pytest.skip("the merge needs head counts and sizes that are powers of two")
     cfg, ref, tri = _pair(ckpt, split_k=True, graph=False)
-    for L in tri.layers:                 # the o_proj's persistent form (the H200 table's): it
-        if hasattr(L.mixer, "o_proj"):   # takes the deferred merge
-            key = (tuple(L.mixer.o_proj.shape), "none", "residual")
-            tri._fplans[key] = dict(tri._fplans[key], split_k=1, persistent=1)
+    key = _o_proj_key(tri)               # the o_proj's persistent form (the H200 table's): it
+    tri.set_plans({key: dict(tri.decode_step.base_plans[key], split_k=1, persistent=1)})   # takes the merge
     range_table(tri, bounds=(), attention=LONG_ATTENTION)
-    assert tri._attn_defer == 2 and tri.attn_splits == 2
+    assert tri.decode_step.defer_splits == 2 and tri.decode_step.attention_base["num_splits"] == 2
     used = _plans_by_position(
         ref, tri, "attention_decode",
         lambda k: (k["num_splits"], k.get("block_n"), k.get("merge_splits"), k["defer_groups"]), 16)
@@ -511,7 +511,7 @@ def test_interpreter_attention_context_range_equals_reference(ckpt, range_table)
     # a table without defer_groups: no range defers its groups either (the attention merges
     # them in two levels of tickets), and the tokens are still the reference's
     range_table(tri, bounds=(), attention=LONG_ATTENTION, defer_groups=0)
-    assert not tri._attn_defer_groups
+    assert not tri.decode_step.defer_groups
     used = _plans_by_position(ref, tri, "attention_decode", lambda k: (k["num_splits"], k["defer_groups"]), 16)
     assert {p for plans in used.values() for p in plans} == {(2, False), (4, False)}
 
@@ -528,9 +528,10 @@ def test_gpu_attention_context_range_graphs_equal_eager(ckpt, range_table):
     graphs = list(tri._graphs)
     assert len(graphs) == 4 and tri._graph is graphs[3]
     # ranges [0, 32) [32, 40) [40, 48) [48, ...): the attention's plan from 40 on
-    assert [r[1].get("attention") is None for r in tri._ranges] == [True, True, False, False]
-    assert tri._ranges[2][1]["attention"] is tri._ranges[3][1]["attention"]
-    assert tri._ranges[3][1]["attention"]["block_n"] == 16
+    ranges = tri.decode_step.ranges
+    assert [r[1].get("attention") is None for r in ranges] == [True, True, False, False]
+    assert ranges[2][1]["attention"] is ranges[3][1]["attention"]
+    assert ranges[3][1]["attention"]["launch"]["block_n"] == 16
     tri.configure(graph=False)
     gen.forget()
     eager = gen.generate(prompt, GREEDY, max_new_tokens=40)

@@ -282,7 +282,7 @@ def test_context_range_plans_from_the_table(own_table):
     """An entry's context_ranges (plans for contexts shorter than `below` positions) are read in
     ascending order; malformed ones, a repeated bound, a persistent plan with split-K, a split-K
     plan with split-K off and a gated plan wider than its head are left out."""
-    from tritonchat.engine.triton_backend import context_ranges
+    from tritonchat.engine.decode_step import context_ranges
     ok = '"split_k": 1, "block_n": 8, "block_k": 1024, "num_warps": 8, "persistent": 2'
     own_table(
         '{"entries": [{"key": "gemv:5120x1024:rms:plain", "split_k": 1, "block_n": 8,'
