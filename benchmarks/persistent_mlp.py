@@ -7,6 +7,17 @@ Per layer l (hidden H = 1024, intermediate I = 3584, bf16 weights):
     a   = round(silu(Wg_l x) * (Wu_l x))                        gate_up [2I, H] merged, SiLU*mul
     h   = round(h + Wd_l a)                                     down [H, I] + residual, in place
 
+Task body (premise2): the tuned live kernels' shapes, from kernels/decode_tuning.json through
+kernels.gemv.plan: rows per task = the plan's block_n (gate_up 4 gate + 4 up rows, down 4
+rows), num_warps (4), the K tile = block_k (gate_up 512; down the whole K: its plan is the
+persistent form), persistent grid = SMs x the down plan's programs per SM (2). ``phase`` runs
+each operator at its plan's own grid (gate_up one program a task, down 2 x SMs) so that it can
+be compared with ``baseline`` body for body; ``phase_sm`` puts both on the persistent grid.
+``*_aN`` stream an L2 prefetch of the program's own task list N tasks ahead of the task it
+computes, across operator boundaries (``--ahead-tasks`` for ``persist_sw0_ahead``); the JSON
+gives the bytes that is over the grid (``ahead_mb``). ``sw0``: an operator's first tile is
+loaded at its own start (before its wait) instead of being held through the previous operator.
+
 Variants (``--variant a,b,...`` or ``--all``):
 
   baseline          today's kernels: tritonchat.kernels.gemv.gemv with the plans and
@@ -201,6 +212,47 @@ def _pf_op(wgu_ptr, wd_ptr, layer0, qn, n_ph, pid, G,
 
 
 @triton.jit
+def _pf_stream(wgu_ptr, wd_ptr, layer0, f0, f_end, n_tot, n_gu, per, pid, G,
+               H: tl.constexpr, I: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+               MAXP: tl.constexpr, NL: tl.constexpr, EL: tl.constexpr):
+    """L2 prefetch of this program's tasks f0 .. min(f_end, n_tot) - 1 (at most MAXP) of its
+    flattened task stream: per layer its n_gu gate_up tasks, then its down tasks (per = tasks a
+    layer). One predicated `prefetch.global.L2` (EL: `::evict_last`) per 128-B line (64 2-byte
+    weights): a gate_up task is its BN_GU gate rows and BN_GU up rows (two contiguous
+    segments), a down task its BN_D rows (one segment); NL = lines of the larger, pow2. Lanes
+    past a task's end or the stream's end are predicated off (no memory access)."""
+    f = f0 + tl.arange(0, MAXP)
+    ok = f < tl.minimum(f_end, n_tot)
+    f = tl.where(ok, f, 0)
+    lay = f // tl.maximum(per, 1)
+    r = f - lay * per
+    is_gu = r < n_gu
+    tile = (pid + tl.where(is_gu, r, r - n_gu) * G).to(tl.int64)
+    L = (layer0 + lay).to(tl.int64)
+    c = tl.arange(0, NL)
+    LG: tl.constexpr = (BN_GU * H + 63) // 64          # lines of one gate (or up) segment
+    LD: tl.constexpr = (BN_D * I + 63) // 64           # lines of one down task
+    gu_in = tl.where(c < LG, tl.minimum(c * 64, BN_GU * H - 1),
+                     I * H + tl.minimum((c - LG) * 64, BN_GU * H - 1))
+    d_in = tl.minimum(c * 64, BN_D * I - 1)
+    pg = wgu_ptr + (L * (2 * I * H) + tile * (BN_GU * H))[:, None] + gu_in[None, :]
+    pd = wd_ptr + (L * (H * I) + tile * (BN_D * I))[:, None] + d_in[None, :]
+    ptrs = tl.where(is_gu[:, None], pg, pd)
+    lane = ok[:, None] & tl.where(is_gu[:, None], (c < 2 * LG)[None, :], (c < LD)[None, :])
+    pred = lane.to(tl.int32)
+    if EL:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred %pfq;\n\tsetp.ne.s32 %pfq, $2, 0;\n\t"
+            "@%pfq prefetch.global.L2::evict_last [$1];\n\t}\n\tmov.u32 $0, 0;",
+            "=r,l,r", [ptrs, pred], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred %pfq;\n\tsetp.ne.s32 %pfq, $2, 0;\n\t"
+            "@%pfq prefetch.global.L2 [$1];\n\t}\n\tmov.u32 $0, 0;",
+            "=r,l,r", [ptrs, pred], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _rows_load(base, rows, ok, offs, K: tl.constexpr, KP: tl.constexpr):
     """W[rows, :K] of a row-major [*, K] matrix as a [len(rows), KP] tile (rows with ok False and
     columns >= K read as 0 and cost no memory traffic); weights stream once: evict_first."""
@@ -209,6 +261,17 @@ def _rows_load(base, rows, ok, offs, K: tl.constexpr, KP: tl.constexpr):
         m = ok[:, None]
     else:
         m = ok[:, None] & (offs < K)[None, :]
+    return tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _rows_load_k(base, rows, ok, ks, K: tl.constexpr, MASK_K: tl.constexpr):
+    """W[rows, ks] of a row-major [*, K] matrix: one [len(rows), BLOCK_K] tile of a K loop."""
+    ptrs = base + rows.to(tl.int64)[:, None] * K + ks[None, :]
+    if MASK_K:
+        m = ok[:, None] & (ks < K)[None, :]
+    else:
+        m = ok[:, None]
     return tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
 
 
@@ -224,23 +287,42 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                       stamp_ptr, n_layers, layer0, phase_layer, G, eps, stall_op, stall_ns,
                       timeout_ns,
                       H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, IP: tl.constexpr,
-                      BN_GU: tl.constexpr, BN_D: tl.constexpr, PHASE: tl.constexpr,
-                      LOOKAHEAD: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr,
+                      BN_GU: tl.constexpr, BN_D: tl.constexpr, BK_GU: tl.constexpr,
+                      BK_D: tl.constexpr, PHASE: tl.constexpr,
+                      LOOKAHEAD: tl.constexpr, XOP: tl.constexpr, STAGES: tl.constexpr,
+                      PF: tl.constexpr,
                       PF_DEPTH: tl.constexpr, MAXT_GU: tl.constexpr, MAXT_D: tl.constexpr,
                       NCH_GU: tl.constexpr, NCH_D: tl.constexpr, CH_GU: tl.constexpr,
-                      CH_D: tl.constexpr, SPIN: tl.constexpr, STALL: tl.constexpr,
-                      PDL: tl.constexpr):
+                      CH_D: tl.constexpr, AHEAD: tl.constexpr, MAXP0: tl.constexpr,
+                      NL: tl.constexpr, PF_EL: tl.constexpr, SPIN: tl.constexpr,
+                      STALL: tl.constexpr, PDL: tl.constexpr):
     # Operators of the chain: q = 2l (gate_up + norm prologue + SiLU*mul of layer l, T_GU
-    # tiles of BN_GU gate rows and their BN_GU up rows), q = 2l + 1 (down + residual, T_D tiles
+    # tasks of BN_GU gate rows and their BN_GU up rows), q = 2l + 1 (down + residual, T_D tasks
     # of BN_D rows). Operator q's counter cnt[q] grows by T_q per chain. Weights are stacked
     # per layer; this chain uses layers layer0 .. layer0 + n_layers - 1.
+    # Task body = the tuned live kernels' (kernels/gemv.py with the decode_tuning.json plans):
+    # LOOKAHEAD 1 = the persistent form (whole rows one tile, the next task's tile loaded
+    # before the current one is reduced); LOOKAHEAD 0 = the grid form (a K loop of
+    # [BN, BK] tiles, fp32 [BN, BK] accumulators summed at the end).
+    # XOP 1 (persistent): the first task of the NEXT operator is loaded into registers before
+    # the current operator's loop (held through it); XOP 0: an operator's first task is
+    # loaded at its own start, before its wait (fewer registers, more programs per SM).
+    # AHEAD > 0 (persistent): L2 prefetch of this program's task stream AHEAD tasks ahead of
+    # the task it computes, across operator boundaries (the stream never stops at a wait).
     pid = tl.program_id(0)
     ACT = h_ptr.dtype.element_ty
     T_GU: tl.constexpr = I // BN_GU
     T_D: tl.constexpr = H // BN_D
-    n_gu = tl.maximum((T_GU - pid + G - 1) // G, 0)        # my tiles: pid, pid + G, ...
+    OWN_FIRST: tl.constexpr = (LOOKAHEAD == 1) and ((XOP == 0) or (PHASE != -1))
+    CROSS: tl.constexpr = (LOOKAHEAD == 1) and (XOP == 1) and (PHASE == -1)
+    STREAM: tl.constexpr = (AHEAD > 0) and (PHASE == -1)
+    MK_GU: tl.constexpr = HP % BK_GU != 0 or HP != H
+    MK_D: tl.constexpr = IP % BK_D != 0 or IP != I
+    n_gu = tl.maximum((T_GU - pid + G - 1) // G, 0)        # my tasks: pid, pid + G, ...
     n_d = tl.maximum((T_D - pid + G - 1) // G, 0)
     n_ph = 2 * n_layers
+    per = n_gu + n_d                                       # my tasks a layer
+    n_tot = per * n_layers
     offs_h = tl.arange(0, HP)
     offs_i = tl.arange(0, IP)
     rg = tl.arange(0, BN_GU)
@@ -253,13 +335,17 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
         l_lo = phase_layer
         l_hi = phase_layer + 1
         base_cnt = 1
+    if STREAM:
+        # my first AHEAD + 1 tasks, before anything waits
+        _pf_stream(wgu_ptr, wd_ptr, layer0, 0, AHEAD + 1, n_tot, n_gu, per, pid, G, H, I,
+                   BN_GU, BN_D, MAXP0, NL, PF_EL)
     if PF != 0:
         if PHASE == -1:
             for d in tl.static_range(1, PF_DEPTH):        # the operators before the first
                 _pf_op(wgu_ptr, wd_ptr, layer0, d, n_ph, pid, G, H, I, BN_GU, BN_D, MAXT_GU,
                        MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)   # operator's own look-ahead
-    if PHASE != 1:
-        if LOOKAHEAD == 1:
+    if LOOKAHEAD == 1:
+        if PHASE != 1:
             # my first gate_up tile of the first layer, before anything waits
             L0 = (layer0 + l_lo).to(tl.int64)
             g_rows = pid * BN_GU + rg
@@ -270,18 +356,25 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
         L = (layer0 + l).to(tl.int64)
         wgu_l = wgu_ptr + L * (2 * I * H)
         wd_l = wd_ptr + L * (H * I)
+        nw_l = nw_ptr + L * H
+        f_l = (l - l_lo) * per                             # my first task of this layer
         # ---------------- gate_up of layer l (operator q = 2l) ----------------
         if PHASE != 1:
             q = 2 * l
             if PF != 0:
                 _pf_op(wgu_ptr, wd_ptr, layer0, q + PF_DEPTH, n_ph, pid, G, H, I, BN_GU, BN_D,
                        MAXT_GU, MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)
-            if LOOKAHEAD == 1:
+            if OWN_FIRST:
                 if PHASE == -1:
-                    # my first down tile of this layer, before the wait
-                    d_rows = pid * BN_D + rd
-                    wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
-            nw = tl.load(nw_ptr + L * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+                    if l > l_lo:                           # (the first layer's: at start)
+                        g_rows = pid * BN_GU + rg
+                        wg_c = _rows_load(wgu_l, g_rows, g_rows < I, offs_h, H, HP)
+                        wu_c = _rows_load(wgu_l + I * H, g_rows, g_rows < I, offs_h, H, HP)
+            if CROSS:
+                # my first down tile of this layer, before the wait
+                d_rows = pid * BN_D + rd
+                wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+            nw = tl.load(nw_l + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
             if PHASE == -1:
                 if l > 0:
                     _wait_counter(cnt_ptr + q - 1, base_cnt * T_D, err_ptr, timeout_ns, SPIN)
@@ -297,6 +390,10 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
             x = (hv * inv * (1.0 + nw)).to(ACT).to(tl.float32)
             if LOOKAHEAD == 1:
                 for i in range(0, n_gu):
+                    if STREAM:
+                        _pf_stream(wgu_ptr, wd_ptr, layer0, f_l + i + AHEAD,
+                                   f_l + i + AHEAD + 1, n_tot, n_gu, per, pid, G, H, I,
+                                   BN_GU, BN_D, 1, NL, PF_EL)
                     rows = (pid + i * G) * BN_GU + rg
                     nrows = rows + G * BN_GU
                     nok = nrows < I       # past my last tile: nothing is loaded
@@ -308,13 +405,35 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     wg_c = wg_n
                     wu_c = wu_n
             else:
+                kk = tl.arange(0, BK_GU)
                 for i in tl.range(0, n_gu, num_stages=STAGES):
+                    if STREAM:
+                        _pf_stream(wgu_ptr, wd_ptr, layer0, f_l + i + AHEAD,
+                                   f_l + i + AHEAD + 1, n_tot, n_gu, per, pid, G, H, I,
+                                   BN_GU, BN_D, 1, NL, PF_EL)
                     rows = (pid + i * G) * BN_GU + rg
                     ok = rows < I
-                    wg = _rows_load(wgu_l, rows, ok, offs_h, H, HP)
-                    wu = _rows_load(wgu_l + I * H, rows, ok, offs_h, H, HP)
-                    g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
-                    u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+                    if BK_GU >= HP:
+                        wg = _rows_load(wgu_l, rows, ok, offs_h, H, HP)
+                        wu = _rows_load(wgu_l + I * H, rows, ok, offs_h, H, HP)
+                        g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+                        u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+                    else:
+                        acc_g = tl.zeros((BN_GU, BK_GU), dtype=tl.float32)
+                        acc_u = tl.zeros((BN_GU, BK_GU), dtype=tl.float32)
+                        for k0 in tl.static_range(0, HP, BK_GU):
+                            ks = k0 + kk
+                            wg = _rows_load_k(wgu_l, rows, ok, ks, H, MK_GU)
+                            wu = _rows_load_k(wgu_l + I * H, rows, ok, ks, H, MK_GU)
+                            # the input tile as the grid kernel computes it (_x_rms)
+                            hk = tl.load(h_ptr + ks, mask=ks < H, other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
+                            nk = tl.load(nw_l + ks, mask=ks < H, other=0.0).to(tl.float32)
+                            xk = (hk * inv * (1.0 + nk)).to(ACT).to(tl.float32)
+                            acc_g += wg.to(tl.float32) * xk[None, :]
+                            acc_u += wu.to(tl.float32) * xk[None, :]
+                        g = tl.sum(acc_g, axis=1)
+                        u = tl.sum(acc_u, axis=1)
                     tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(ACT), mask=ok)
             if PHASE == -1:
                 _signal(cnt_ptr + q, n_gu)
@@ -324,16 +443,15 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
             if PF != 0:
                 _pf_op(wgu_ptr, wd_ptr, layer0, q + PF_DEPTH, n_ph, pid, G, H, I, BN_GU, BN_D,
                        MAXT_GU, MAXT_D, NCH_GU, NCH_D, CH_GU, CH_D, PF)
-            if LOOKAHEAD == 1:
-                if PHASE == -1:
-                    # my first gate_up tile of the next layer, before the wait
-                    g_rows = pid * BN_GU + rg
-                    g_ok = g_rows < tl.where(l + 1 < l_hi, I, 0)      # none after the last
-                    wg_c = _rows_load(wgu_l + 2 * I * H, g_rows, g_ok, offs_h, H, HP)
-                    wu_c = _rows_load(wgu_l + 3 * I * H, g_rows, g_ok, offs_h, H, HP)
-                else:
-                    d_rows = pid * BN_D + rd
-                    wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+            if CROSS:
+                # my first gate_up tile of the next layer, before the wait
+                g_rows = pid * BN_GU + rg
+                g_ok = g_rows < tl.where(l + 1 < l_hi, I, 0)      # none after the last
+                wg_c = _rows_load(wgu_l + 2 * I * H, g_rows, g_ok, offs_h, H, HP)
+                wu_c = _rows_load(wgu_l + 3 * I * H, g_rows, g_ok, offs_h, H, HP)
+            if OWN_FIRST:
+                d_rows = pid * BN_D + rd
+                wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
             if PHASE == -1:
                 _wait_counter(cnt_ptr + q - 1, base_cnt * T_GU, err_ptr, timeout_ns, SPIN)
             if PDL:
@@ -342,11 +460,15 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
             if STALL:
                 if (q == stall_op) & (pid == 0):
                     _stall(stall_ns, stamp_ptr)
-            av = tl.load(act_ptr + offs_i, mask=offs_i < I, other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
             if LOOKAHEAD == 1:
+                av = tl.load(act_ptr + offs_i, mask=offs_i < I, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
                 wd_c = wd_f
                 for i in range(0, n_d):
+                    if STREAM:
+                        _pf_stream(wgu_ptr, wd_ptr, layer0, f_l + n_gu + i + AHEAD,
+                                   f_l + n_gu + i + AHEAD + 1, n_tot, n_gu, per, pid, G, H, I,
+                                   BN_GU, BN_D, 1, NL, PF_EL)
                     rows = (pid + i * G) * BN_D + rd
                     nrows = rows + G * BN_D
                     nok = nrows < H
@@ -357,13 +479,31 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     tl.store(h_ptr + rows, y.to(ACT), mask=rows < H)
                     wd_c = wd_n
             else:
+                if BK_D >= IP:
+                    av = tl.load(act_ptr + offs_i, mask=offs_i < I, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                kd = tl.arange(0, BK_D)
                 for i in tl.range(0, n_d, num_stages=STAGES):
+                    if STREAM:
+                        _pf_stream(wgu_ptr, wd_ptr, layer0, f_l + n_gu + i + AHEAD,
+                                   f_l + n_gu + i + AHEAD + 1, n_tot, n_gu, per, pid, G, H, I,
+                                   BN_GU, BN_D, 1, NL, PF_EL)
                     rows = (pid + i * G) * BN_D + rd
                     ok = rows < H
-                    wd = _rows_load(wd_l, rows, ok, offs_i, I, IP)
                     r = tl.load(h_ptr + rows, mask=ok, other=0.0,
                                 cache_modifier=".cg").to(tl.float32)
-                    y = tl.sum(wd.to(tl.float32) * av[None, :], axis=1) + r
+                    if BK_D >= IP:
+                        wd = _rows_load(wd_l, rows, ok, offs_i, I, IP)
+                        y = tl.sum(wd.to(tl.float32) * av[None, :], axis=1) + r
+                    else:
+                        acc = tl.zeros((BN_D, BK_D), dtype=tl.float32)
+                        for k0 in tl.static_range(0, IP, BK_D):
+                            ks = k0 + kd
+                            wd = _rows_load_k(wd_l, rows, ok, ks, I, MK_D)
+                            ak = tl.load(act_ptr + ks, mask=ks < I, other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
+                            acc += wd.to(tl.float32) * ak[None, :]
+                        y = tl.sum(acc, axis=1) + r
                     tl.store(h_ptr + rows, y.to(ACT), mask=ok)
             if PHASE == -1:
                 _signal(cnt_ptr + q, n_d)
@@ -379,11 +519,20 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
 class Variant:
     name: str
     mode: str                   # baseline | phase | persist
-    lookahead: int = 0          # 1: software-pipelined register loads (way a)
+    lookahead: int = 0          # 1: next task's tile in registers (the tuned persistent form)
+    xop: int = 1                # lookahead 1, persistent: next operator's first tile held in
+                                # registers through the current operator (0: loaded at the
+                                # operator's own start, before its wait)
     stages: int = 1             # tl.range num_stages of the task loop (lookahead 0 only)
-    pf: int = 0                 # 1: prefetch.global.L2 per line, 2: cp.async.bulk.prefetch.L2
-    pf_depth: int = 1           # operators ahead that a program prefetches
-    ppsm: int = 1               # programs per SM
+    pf: int = 0                 # 1: prefetch.global.L2 per line, 2: cp.async.bulk.prefetch.L2,
+                                # of this program's tiles of the operator pf_depth ahead
+    pf_depth: int = 1           # operators ahead that a program prefetches (pf 1/2)
+    ahead: int = 0              # L2 prefetch of the task stream this many tasks ahead (-1:
+                                # --ahead-tasks), across operator boundaries (persistent)
+    pf_el: int = 0              # the stream prefetch as prefetch.global.L2::evict_last
+    ppsm: int = 0               # programs per SM (0: --ppsm, default the down plan's)
+    grid: str = "plan"          # phase mode: "plan" = each operator's tuned grid, "sm" = the
+                                # persistent grid (SMs x ppsm) for both
     spin: int = 0               # 0 acquire atomic, 1 volatile load
     pdl: int = 1                # phase mode: programmatic dependent launch between operators
     what: str = ""
@@ -391,7 +540,12 @@ class Variant:
 
 VARIANTS = [
     Variant("baseline", "baseline", what="today's gemv per operator, engine plans + PDL"),
-    Variant("phase", "phase", lookahead=1, what="this kernel, one launch per operator, PDL"),
+    Variant("phase", "phase", lookahead=1,
+            what="this kernel's tuned task body, one launch per operator at the plans' grids, PDL"),
+    Variant("phase_kloop", "phase", lookahead=0,
+            what="as phase, the grid form's body (K loop of block_k tiles, no look-ahead)"),
+    Variant("phase_sm", "phase", lookahead=1, grid="sm",
+            what="as phase, every operator on the persistent grid (SMs x ppsm)"),
     Variant("phase_l2", "phase", lookahead=1, pf=1,
             what="(b) per-op launches + prefetch.global.L2 of the next operator's weights"),
     Variant("phase_bulk", "phase", lookahead=1, pf=2,
@@ -399,20 +553,47 @@ VARIANTS = [
     Variant("persist", "persist", what="persistent, counters, no fetch-ahead (control)"),
     Variant("persist_stages", "persist", stages=3,
             what="(a') persistent, task loop tl.range(num_stages=3)"),
+    Variant("persist_stages5", "persist", stages=5,
+            what="(a') persistent, task loop tl.range(num_stages=5)"),
     Variant("persist_sw", "persist", lookahead=1,
-            what="(a) persistent, next tiles in registers before each wait"),
+            what="(a) persistent, next tiles in registers, next op's first before each wait"),
+    Variant("persist_sw0", "persist", lookahead=1, xop=0,
+            what="(a) persistent, next tiles in registers, an op's first at its own start"),
+    Variant("persist_sw0_x3", "persist", lookahead=1, xop=0, ppsm=3,
+            what="as persist_sw0, 3 programs per SM"),
     Variant("persist_l2", "persist", pf=1, what="(b) persistent, L2 prefetch 1 operator ahead"),
     Variant("persist_sw_l2", "persist", lookahead=1, pf=1, what="(a)+(b) registers + L2 1 ahead"),
     Variant("persist_sw_l2d2", "persist", lookahead=1, pf=1, pf_depth=2,
             what="(a)+(b) registers + L2 2 operators ahead"),
     Variant("persist_sw_bulk", "persist", lookahead=1, pf=2,
             what="(a)+(b) registers + bulk L2 prefetch 1 ahead"),
-    Variant("persist_sw_l2_x2", "persist", lookahead=1, pf=1, ppsm=2,
-            what="(a)+(b), 2 programs per SM"),
     Variant("persist_sw_l2_vol", "persist", lookahead=1, pf=1, spin=1,
             what="(a)+(b), spin on a volatile load"),
+    Variant("persist_sw0_a2", "persist", lookahead=1, xop=0, ahead=2,
+            what="(a)+(b) registers + L2 stream 2 tasks ahead"),
+    Variant("persist_sw0_a4", "persist", lookahead=1, xop=0, ahead=4,
+            what="(a)+(b) registers + L2 stream 4 tasks ahead"),
+    Variant("persist_sw0_a8", "persist", lookahead=1, xop=0, ahead=8,
+            what="(a)+(b) registers + L2 stream 8 tasks ahead"),
+    Variant("persist_sw0_a16", "persist", lookahead=1, xop=0, ahead=16,
+            what="(a)+(b) registers + L2 stream 16 tasks ahead"),
+    Variant("persist_sw0_a8_el", "persist", lookahead=1, xop=0, ahead=8, pf_el=1,
+            what="as persist_sw0_a8, prefetch.global.L2::evict_last"),
+    Variant("persist_sw0_a4_x3", "persist", lookahead=1, xop=0, ahead=4, ppsm=3,
+            what="(a)+(b) registers + L2 stream 4 tasks ahead, 3 programs per SM"),
+    Variant("persist_sw0_a8_x3", "persist", lookahead=1, xop=0, ahead=8, ppsm=3,
+            what="(a)+(b) registers + L2 stream 8 tasks ahead, 3 programs per SM"),
+    Variant("persist_sw_a8", "persist", lookahead=1, ahead=8,
+            what="(a)+(b) registers (next op's first held) + L2 stream 8 tasks ahead"),
+    Variant("persist_a8", "persist", ahead=8,
+            what="(b) K-loop body, no register look-ahead + L2 stream 8 tasks ahead"),
+    Variant("persist_stages3_a8", "persist", stages=3, ahead=8,
+            what="(a')+(b) tl.range(num_stages=3) + L2 stream 8 tasks ahead"),
+    Variant("persist_sw0_ahead", "persist", lookahead=1, xop=0, ahead=-1,
+            what="(a)+(b) registers + L2 stream --ahead-tasks ahead"),
 ]
-DEFAULT_VARIANTS = "baseline,phase,phase_l2,persist,persist_sw,persist_l2,persist_sw_l2"
+DEFAULT_VARIANTS = ("baseline,phase,phase_sm,persist,persist_sw,persist_sw0,persist_l2,"
+                    "persist_sw_l2,persist_sw0_a4,persist_sw0_a8,persist_sw0_a16")
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
@@ -423,6 +604,104 @@ def cdiv(a, b):
 def next_pow2(n):
     return 1 << max(0, int(n - 1).bit_length())
 
+
+
+def _plans(H, I):
+    """The engine's plans for the chain's two operators (decode_tuning.json or the heuristic):
+    (gate_up plan, down plan), as kernels.gemv.plan gives them."""
+    from tritonchat.kernels import gemv as Gm
+    return Gm.plan(I, H, "rms", "silu_mul"), Gm.plan(H, I, "none", "residual")
+
+
+def resolve_tiles(args):
+    """Fill the task shape the options left at 0 from the tuned plans: rows per task = the
+    plan's block_n (halved until it divides the shape), the K tile = its block_k (the whole K
+    for a persistent plan, as kernels.gemv does), num_warps, programs per SM = the down plan's
+    persistent count (2 when the plan is not persistent). Idempotent; returns args."""
+    if getattr(args, "_resolved", False):
+        return args
+    H, I = args.hidden, args.inter
+    try:
+        p_gu, p_d = _plans(H, I)
+    except Exception:                       # no tritonchat: the former defaults
+        p_gu = dict(block_n=4, block_k=next_pow2(H), num_warps=8, persistent=0)
+        p_d = dict(block_n=2, block_k=next_pow2(I), num_warps=8, persistent=1)
+    args.plan_gu, args.plan_d = dict(p_gu), dict(p_d)
+
+    def rows(bn, n):
+        bn = max(1, int(bn))
+        while n % bn:
+            bn //= 2
+        return bn
+
+    def ktile(p, k):
+        kp = next_pow2(k)
+        if p.get("persistent", 0):
+            return kp
+        return max(16, min(kp, next_pow2(int(p["block_k"]))))
+    if not args.bn_gu:
+        args.bn_gu = rows(p_gu["block_n"], I)
+    if not args.bn_d:
+        args.bn_d = rows(p_d["block_n"], H)
+    if not args.bk_gu:
+        args.bk_gu = ktile(p_gu, H)
+    if not args.bk_d:
+        args.bk_d = ktile(p_d, I)
+    args.bk_gu = min(args.bk_gu, next_pow2(H))
+    args.bk_d = min(args.bk_d, next_pow2(I))
+    if not args.num_warps:
+        args.num_warps = int(p_gu["num_warps"])
+    if not args.ppsm:
+        args.ppsm = int(p_d.get("persistent", 0)) or 2
+    args._resolved = True
+    return args
+
+
+def phase_grids(args, v, sms):
+    """(gate_up grid, down grid) of a phase-mode variant on `sms` SMs: the plans' own grids
+    (grid form: one program a task; persistent form: min(tasks, persistent x SMs)), or the
+    persistent grid for both (grid "sm")."""
+    H, I = args.hidden, args.inter
+    t_gu, t_d = I // args.bn_gu, H // args.bn_d
+    ppsm = v.ppsm or args.ppsm
+    if v.grid == "sm":
+        return sms * ppsm, sms * ppsm
+    out = []
+    for p, t in ((args.plan_gu, t_gu), (args.plan_d, t_d)):
+        pp = int(p.get("persistent", 0))
+        out.append(min(t, pp * sms) if pp else t)
+    return tuple(out)
+
+
+def kernel_meta(args, v, G):
+    """The kernel's constexprs (and num_warps) for variant v on a grid of G programs."""
+    H, I = args.hidden, args.inter
+    ch = max(1, args.pf_line // 2) if v.pf == 1 else max(8, args.pf_chunk // 2)
+    tile_gu, tile_d = args.bn_gu * H, args.bn_d * I
+    ch_gu, ch_d = math.gcd(ch, tile_gu), math.gcd(ch, tile_d)   # chunks tile exactly
+    ahead = args.ahead_tasks if v.ahead < 0 else v.ahead
+    nl = next_pow2(max(2 * cdiv(tile_gu, 64), cdiv(tile_d, 64)))
+    return dict(
+        H=H, I=I, HP=next_pow2(H), IP=next_pow2(I), BN_GU=args.bn_gu, BN_D=args.bn_d,
+        BK_GU=args.bk_gu, BK_D=args.bk_d,
+        LOOKAHEAD=v.lookahead, XOP=v.xop, STAGES=v.stages, PF=v.pf, PF_DEPTH=v.pf_depth,
+        MAXT_GU=next_pow2(cdiv(I // args.bn_gu, G)),
+        MAXT_D=next_pow2(cdiv(H // args.bn_d, G)),
+        NCH_GU=next_pow2(cdiv(tile_gu, ch_gu)), NCH_D=next_pow2(cdiv(tile_d, ch_d)),
+        CH_GU=ch_gu, CH_D=ch_d, AHEAD=max(0, ahead), MAXP0=next_pow2(max(1, ahead) + 1),
+        NL=nl, PF_EL=v.pf_el, SPIN=v.spin, STALL=not INTERPRET, num_warps=args.num_warps)
+
+
+def ahead_bytes(args, v, G):
+    """Weight bytes the stream prefetch runs ahead of the compute, over the grid (2-B weights):
+    `ahead` tasks a program times the mean task size."""
+    ahead = args.ahead_tasks if v.ahead < 0 else v.ahead
+    if ahead <= 0:
+        return 0
+    H, I = args.hidden, args.inter
+    t_gu, t_d = I // args.bn_gu, H // args.bn_d
+    mean = (t_gu * 2 * args.bn_gu * H + t_d * args.bn_d * I) * 2 / (t_gu + t_d)
+    return int(min(ahead * mean * G, 2 * args.layers * 3 * H * I))
 
 class Chain:
     """Weights (n_sets independent copies of n_layers layers, so that successive timed chains
@@ -484,39 +763,34 @@ class Runner:
             self._init_baseline()
             return
         H, I = chain.H, chain.I
+        resolve_tiles(args)
         if I % args.bn_gu or H % args.bn_d:
             raise ValueError(f"tiles must divide the shape: I={I} % {args.bn_gu}, "
                              f"H={H} % {args.bn_d}")
+        ppsm = v.ppsm or args.ppsm
+        self.ppsm = ppsm
         if self.is_cuda:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            self.G = sms * v.ppsm
+            if v.mode == "phase":
+                self.G_ph = phase_grids(args, v, sms)
+            else:
+                self.G_ph = (sms * ppsm,) * 2
         elif v.mode == "persist":
             # the interpreter runs programs one after another: a single program is the only
             # persistent grid that cannot deadlock there (it satisfies its own waits)
-            self.G = 1
+            self.G_ph = (1, 1)
         else:
-            self.G = args.cpu_programs
+            self.G_ph = (args.cpu_programs,) * 2
+        self.G = max(self.G_ph)
         self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
         esz = torch.empty((), dtype=chain.dtype).element_size()
-        if v.pf and esz != 2:
+        if (v.pf or v.ahead) and esz != 2 and not INTERPRET:
             raise ValueError("the L2 prefetch variants assume 2-byte weights")
-        if v.pf == 1:
-            ch = max(1, args.pf_line // esz)
-        else:
-            ch = max(8, args.pf_chunk // esz)
-        tile_gu, tile_d = args.bn_gu * H, args.bn_d * I
-        ch_gu, ch_d = math.gcd(ch, tile_gu), math.gcd(ch, tile_d)   # chunks tile exactly
-        self.meta = dict(
-            H=H, I=I, HP=next_pow2(H), IP=next_pow2(I), BN_GU=args.bn_gu, BN_D=args.bn_d,
-            LOOKAHEAD=v.lookahead, STAGES=v.stages, PF=v.pf, PF_DEPTH=v.pf_depth,
-            MAXT_GU=next_pow2(cdiv(I // args.bn_gu, self.G)),
-            MAXT_D=next_pow2(cdiv(H // args.bn_d, self.G)),
-            NCH_GU=next_pow2(cdiv(tile_gu, ch_gu)), NCH_D=next_pow2(cdiv(tile_d, ch_d)),
-            CH_GU=ch_gu, CH_D=ch_d, SPIN=v.spin, STALL=not INTERPRET,
-            num_warps=args.num_warps)
+        self.metas = tuple(kernel_meta(args, v, g) for g in self.G_ph)
+        self.meta = self.metas[0]
         self.pdl = bool(v.pdl and v.mode == "phase" and self.is_cuda and not INTERPRET
                         and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.stall_op, self.stall_ns = -1, 0
@@ -529,7 +803,7 @@ class Runner:
         from tritonchat.kernels import gemv as Gm
         c = self.c
         # as the engine's defaults: PDL on, triggered after the wait (pdl_early off)
-        self.base_pdl = _common.pdl_mode(os.environ.get("TRITONCHAT_PDL", "1") == "1", False,
+        self.base_pdl = _common.pdl_mode(True, False,
                                          c.device)
         self.Gm = Gm
         self.p_gu = Gm.plan(c.I, c.H, "rms", "silu_mul")
@@ -549,12 +823,14 @@ class Runner:
     # ------------------------------------------------------------------------ launch ----
     def _launch(self, s, phase, layer):
         c = self.c
-        kw = dict(self.meta)
+        i = 1 if phase == 1 else 0
+        G = self.G_ph[i]
+        kw = dict(self.metas[i])
         if self.pdl:
             kw["launch_pdl"] = True
-        _mlp_chain_kernel[(self.G,)](
+        _mlp_chain_kernel[(G,)](
             c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
-            self.nl, s * c.L, layer, self.G, c.eps, self.stall_op, self.stall_ns,
+            self.nl, s * c.L, layer, G, c.eps, self.stall_op, self.stall_ns,
             self.timeout_ns,
             PHASE=phase, PDL=1 if self.pdl else 0, **kw)
 
@@ -605,8 +881,8 @@ class Runner:
         fit = min(by_regs, by_thr, by_smem, 32)
         info.update(regs=regs, spills=spills, shared=shared, programs_per_sm_max=fit)
         self.occupancy = info
-        if fit < self.v.ppsm:
-            raise RuntimeError(f"grid not co-resident: {self.v.ppsm} programs/SM asked, "
+        if fit < self.ppsm:
+            raise RuntimeError(f"grid not co-resident: {self.ppsm} programs/SM asked, "
                                f"{fit} fit (regs {regs}, shared {shared} B, {warps} warps)")
         return info
 
@@ -680,6 +956,7 @@ def rel_err(out, ref):
 def compile_only(args, variants):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    resolve_tiles(args)
     H, I = args.hidden, args.inter
     G = args.sms
     sig = dict(h_ptr="*bf16", act_ptr="*bf16", nw_ptr="*bf16", wgu_ptr="*bf16", wd_ptr="*bf16",
@@ -690,18 +967,15 @@ def compile_only(args, variants):
     for v in variants:
         if v.mode == "baseline":
             continue
-        Gv = G * v.ppsm
-        ch = args.pf_line // 2 if v.pf == 1 else args.pf_chunk // 2
-        tile_gu, tile_d = args.bn_gu * H, args.bn_d * I
-        ch_gu, ch_d = math.gcd(ch, tile_gu), math.gcd(ch, tile_d)
-        const = dict(H=H, I=I, HP=next_pow2(H), IP=next_pow2(I), BN_GU=args.bn_gu,
-                     BN_D=args.bn_d, LOOKAHEAD=v.lookahead, STAGES=v.stages, PF=v.pf,
-                     PF_DEPTH=v.pf_depth, MAXT_GU=next_pow2(cdiv(I // args.bn_gu, Gv)),
-                     MAXT_D=next_pow2(cdiv(H // args.bn_d, Gv)),
-                     NCH_GU=next_pow2(cdiv(tile_gu, ch_gu)), NCH_D=next_pow2(cdiv(tile_d, ch_d)),
-                     CH_GU=ch_gu, CH_D=ch_d, SPIN=v.spin, STALL=True)
+        if v.mode == "phase":
+            gs = phase_grids(args, v, G)
+        else:
+            gs = (G * (v.ppsm or args.ppsm),) * 2
         phases = (0, 1) if v.mode == "phase" else (-1,)
         for ph in phases:
+            const = kernel_meta(args, v, gs[1 if ph == 1 else 0])
+            nwarps = const.pop("num_warps")
+            const["STALL"] = True
             c = dict(const, PHASE=ph, PDL=1 if v.mode == "phase" else 0)
             s = dict(sig)
             s.update({k: "constexpr" for k in c})
@@ -714,7 +988,7 @@ def compile_only(args, variants):
                 k = triton.compile(ASTSource(fn=_mlp_chain_kernel, signature=s, constexprs=c,
                                              attrs=attrs),
                                    target=GPUTarget("cuda", 90, 64),
-                                   options=dict(num_warps=args.num_warps))
+                                   options=dict(num_warps=nwarps))
                 ptx = k.asm["ptx"]
                 info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
                             prefetch=ptx.count("prefetch.global.L2"),
@@ -779,9 +1053,20 @@ def parse_args(argv=None):
     p.add_argument("--inter", type=int, default=3584)
     p.add_argument("--sets", type=int, default=0,
                    help="weight copies cycled through (0: enough for ~4x the L2 size)")
-    p.add_argument("--bn-gu", type=int, default=4, help="gate rows (and up rows) per task")
-    p.add_argument("--bn-d", type=int, default=2, help="down rows per task")
-    p.add_argument("--num-warps", type=int, default=8)
+    p.add_argument("--bn-gu", type=int, default=0,
+                   help="gate rows (and up rows) per task (0: the gate_up plan's block_n)")
+    p.add_argument("--bn-d", type=int, default=0, help="down rows per task (0: the plan's)")
+    p.add_argument("--bk-gu", type=int, default=0,
+                   help="K tile of the gate_up K loop (0: the plan's block_k)")
+    p.add_argument("--bk-d", type=int, default=0,
+                   help="K tile of the down K loop (0: the plan's; whole K when persistent)")
+    p.add_argument("--num-warps", type=int, default=0, help="0: the gate_up plan's")
+    p.add_argument("--ppsm", type=int, default=0,
+                   help="programs per SM of the persistent grid where a variant names none "
+                        "(0: the down plan's persistent count)")
+    p.add_argument("--ahead-tasks", type=int, default=8,
+                   help="L2 stream look-ahead, in tasks of this program, of the *_ahead "
+                        "variants")
     p.add_argument("--pf-line", type=int, default=128, help="bytes between prefetch.global.L2")
     p.add_argument("--pf-chunk", type=int, default=2048, help="bytes per bulk L2 prefetch")
     p.add_argument("--stall-ns", type=int, default=1000)
@@ -795,7 +1080,7 @@ def parse_args(argv=None):
     p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
     p.add_argument("--cpu-programs", type=int, default=3,
                    help="grid under the interpreter (programs stride over the tiles)")
-    p.add_argument("--deadline-s", type=float, default=175.0,
+    p.add_argument("--deadline-s", type=float, default=115.0,
                    help="watchdog: past this, print what was measured (JSON, partial) and "
                         "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
     p.add_argument("--compile-only", action="store_true",
@@ -815,19 +1100,19 @@ def select(args):
     if INTERPRET:
         # no inline PTX (L2 prefetch) or PDL in the interpreter; persistent variants run as
         # one program (see Runner); the variants that differ only there collapse into one
-        vs = [Variant(**dict(asdict(v), pf=0, pdl=0, ppsm=1, pf_depth=1,
+        vs = [Variant(**dict(asdict(v), pf=0, pdl=0, ppsm=1, pf_depth=1, ahead=0, pf_el=0,
                              what=v.what + (" [interpreter: no PTX prefetch, 1 program]"
                                             if v.mode == "persist" else
                                             " [interpreter: no PTX prefetch, no PDL]")))
               if v.mode != "baseline" else v for v in vs]
         seen, uniq = set(), []
         for v in vs:
-            key = (v.mode, v.lookahead, v.stages, v.spin)
+            key = (v.mode, v.lookahead, v.xop, v.stages, v.spin, v.grid)
             if key not in seen:
                 seen.add(key)
                 uniq.append(v)
         vs = uniq
-        if not any(v.mode == "phase" and v.lookahead == 0 for v in vs):
+        if not any(v.name == "phase_noahead" for v in vs):
             vs.append(Variant("phase_noahead", "phase", lookahead=0, pdl=0,
                               what="phase mode, no look-ahead"))
     return vs
@@ -841,6 +1126,12 @@ def measure_variant(v, chain, args, dev, ctx):
     runner = Runner(chain, v, args)
     if v.mode != "baseline":
         r["grid"] = runner.G
+        if v.mode == "phase":
+            r["grids"] = list(runner.G_ph)
+        ab = ahead_bytes(args, v, runner.G)
+        if ab and not INTERPRET:
+            r["ahead_tasks"] = args.ahead_tasks if v.ahead < 0 else v.ahead
+            r["ahead_mb"] = round(ab / 1e6, 2)
     occ = runner.check_occupancy()
     if occ:
         r["occupancy"] = occ
@@ -927,9 +1218,15 @@ def main(argv=None):
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
     dtype = getattr(torch, args.dtype)
     t_start = time.time()
+    resolve_tiles(args)
     res = dict(device=str(dev), dtype=args.dtype, layers=args.layers, hidden=args.hidden,
                inter=args.inter, triton=triton.__version__, torch=torch.__version__,
-               bn_gu=args.bn_gu, bn_d=args.bn_d, num_warps=args.num_warps)
+               bn_gu=args.bn_gu, bn_d=args.bn_d, bk_gu=args.bk_gu, bk_d=args.bk_d,
+               num_warps=args.num_warps, ppsm=args.ppsm, ahead_tasks=args.ahead_tasks,
+               plan_gu=args.plan_gu, plan_d=args.plan_d)
+    print(f"# task body from the plans: gate_up {args.bn_gu}+{args.bn_gu} rows, K tile "
+          f"{args.bk_gu}; down {args.bn_d} rows, K tile {args.bk_d}; {args.num_warps} warps; "
+          f"persistent grid SMs x {args.ppsm}", flush=True)
     l2 = 50 << 20
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)

@@ -37,14 +37,16 @@ def _args(**kw):
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the interpreter phase mode runs on CPU tensors")
-@pytest.mark.parametrize("dtype,lookahead,programs,bn_gu,bn_d", [
-    (torch.float32, 1, 5, 4, 2),      # 24 / 32 tiles over 5 programs: uneven shares
-    (torch.float32, 0, 5, 4, 2),
-    (torch.float32, 1, 40, 8, 4),     # more programs than tiles: some own none
-    (torch.float16, 1, 3, 4, 2),
+@pytest.mark.parametrize("dtype,lookahead,programs,bn_gu,bn_d,bk", [
+    (torch.float32, 1, 5, 4, 2, 0),   # 24 / 32 tiles over 5 programs: uneven shares
+    (torch.float32, 0, 5, 4, 2, 0),
+    (torch.float32, 0, 5, 4, 2, 32),  # the grid form's K loop: 2 / 3 K tiles (down ragged)
+    (torch.float32, 1, 40, 8, 4, 0),  # more programs than tiles: some own none
+    (torch.float16, 1, 3, 4, 2, 0),
 ])
-def test_phase_mode_matches_reference(dtype, lookahead, programs, bn_gu, bn_d):
-    args = _args(cpu_programs=programs, bn_gu=bn_gu, bn_d=bn_d)
+def test_phase_mode_matches_reference(dtype, lookahead, programs, bn_gu, bn_d, bk):
+    kw = dict(bk_gu=bk, bk_d=bk) if bk else {}
+    args = _args(cpu_programs=programs, bn_gu=bn_gu, bn_d=bn_d, **kw)
     chain = P.Chain(64, 96, 2, 2, dtype, "cpu", seed=3)
     v = P.Variant("t", "phase", lookahead=lookahead, pdl=0)
     r = P.Runner(chain, v, args)
@@ -59,15 +61,17 @@ def test_phase_mode_matches_reference(dtype, lookahead, programs, bn_gu, bn_d):
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the interpreter runs programs one at a time")
-@pytest.mark.parametrize("lookahead,stages", [(1, 1), (0, 1), (0, 3)])
-def test_persistent_one_program_matches_reference(lookahead, stages):
+@pytest.mark.parametrize("lookahead,stages,xop,bk", [(1, 1, 1, 0), (1, 1, 0, 0), (0, 1, 1, 0),
+                                                   (0, 3, 1, 0), (0, 1, 1, 32)])
+def test_persistent_one_program_matches_reference(lookahead, stages, xop, bk):
     """The persistent path (PHASE -1: counters, epochs, waits, cross-operator look-ahead) as
     a single program, the only grid the sequential interpreter can run without deadlock:
     chains back to back on both weight sets (the counters carry over: targets grow with the
     epoch), and a half-length chain with its own counters."""
-    args = _args(bn_gu=8, bn_d=4)
+    kw = dict(bk_gu=bk, bk_d=bk) if bk else {}
+    args = _args(bn_gu=8, bn_d=4, **kw)
     chain = P.Chain(64, 96, 2, 2, torch.float32, "cpu", seed=5)
-    v = P.Variant("t", "persist", lookahead=lookahead, stages=stages)
+    v = P.Variant("t", "persist", lookahead=lookahead, stages=stages, xop=xop)
     r = P.Runner(chain, v, args)
     assert r.G == 1
     for s in (0, 1, 0):
@@ -111,7 +115,8 @@ def test_persistent_variants_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
     r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--variant",
-                        "phase_l2,persist_sw_l2,persist_sw_bulk,persist_stages"],
+                        "phase_l2,persist_sw_l2,persist_sw_bulk,persist_stages,"
+                        "persist_sw0_a8,persist_sw0_a8_el"],
                        capture_output=True, text=True, env=env, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("no ptxas for an offline sm_90 compile")
@@ -121,13 +126,15 @@ def test_persistent_variants_compile_for_sm90():
     assert res["persist_sw_l2/PHASE=-1"]["acquire"] > 0
     assert res["persist_sw_bulk/PHASE=-1"]["bulk"] > 0
     assert res["phase_l2/PHASE=0"]["pdl"] > 0
+    assert res["persist_sw0_a8/PHASE=-1"]["prefetch"] > res["persist_sw_l2/PHASE=-1"]["prefetch"]
     for key, info in res.items():          # spills are reported by the bench, not refused here
         assert info["ok"], (key, info)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["phase_l2", "persist", "persist_sw", "persist_sw_l2",
-                                  "persist_sw_bulk", "persist_stages"])
+@pytest.mark.parametrize("name", ["phase", "phase_l2", "persist", "persist_sw", "persist_sw0",
+                                  "persist_sw_l2", "persist_sw_bulk", "persist_stages",
+                                  "persist_sw0_a8", "persist_sw0_a8_el", "persist_a8"])
 def test_gpu_chain_variants_match_reference(name):
     """On the device: each variant's chain at the true shape (2 layers, bf16) against the
     reference and bit-repeatable over chains (the counters carry over), no spin timeout."""
