@@ -29,7 +29,7 @@ from .config import FULL_ATTENTION, TextConfig
 from .errors import BackendUnavailableError, ContextFullError
 from .decode_step import (AttentionWeights, DecodeStep, GdnWeights, KernelTimer, Launcher, LayerWeights,
                           StepIO)
-from .graph import capture as capture_graph
+from . import graph as graph_mod
 from .graph import capture_ranges
 from .reference import ModelState, ReferenceModel, torch_dtype
 
@@ -253,7 +253,7 @@ class TritonBackend(Backend):
                 self.rng_state]
 
     def _capture_ranges(self) -> list:
-        return capture_ranges(self.decode_step, lambda: capture_graph(self.decode_step, self._mutable(), l2=self))
+        return capture_ranges(self.decode_step, lambda: graph_mod.capture(self.decode_step, self._mutable(), l2=self))
 
     def _replay_graph(self) -> None:
         """One decode step through the CUDA graph of its context range, capturing the graphs
@@ -475,7 +475,7 @@ class TritonBackend(Backend):
 
         def timed():
             t.events = []
-            graph = capture_graph(self.decode_step, self._mutable(), l2=self)
+            graph = graph_mod.capture(self.decode_step, self._mutable(), l2=self)
             return graph, list(t.events)                    # the events recorded into it
 
         self.launcher.timer = t

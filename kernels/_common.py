@@ -166,7 +166,7 @@ def read_tables(path: str) -> list[dict]:
     if not isinstance(data, dict):
         return []
     if "tables" not in data:
-        return [data]                       # one untagged table (what the tests write)
+        return [data]                       # one untagged table, for any GPU (the tests write these)
     tables = data["tables"]
     return [t for t in tables if isinstance(t, dict)] if isinstance(tables, list) else []
 
@@ -177,8 +177,8 @@ def select_table(tables: list[dict], gpu: Optional[dict]) -> tuple[Optional[dict
     if gpu is None:
         return (tables[0] if tables else None), ""
     for t in tables:
-        if t.get("gpu") == gpu["gpu"] and t.get("sm_count") == gpu["sm_count"]:
-            return t, ""
+        if "gpu" not in t or (t["gpu"] == gpu["gpu"] and t.get("sm_count") == gpu["sm_count"]):
+            return t, ""                    # this GPU's (an untagged table is every GPU's)
     for t in tables:
         if t.get("sm_count") == gpu["sm_count"] and list(t.get("capability", [])) == gpu["capability"]:
             return t, (f"no tuned table for the {gpu['gpu']}; using the one measured on the {t.get('gpu')} "

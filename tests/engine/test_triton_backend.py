@@ -196,7 +196,7 @@ def test_gpu_graph_capture_failure_falls_back(ckpt, monkeypatch, capsys):
     from tritonchat.engine import graph as graph_mod
     cfg, _, tri = _pair(ckpt, device="cuda", dtype="bfloat16", graph=True)
 
-    def boom(backend):
+    def boom(*args, **kwargs):
         raise RuntimeError("simulated capture failure")
 
     monkeypatch.setattr(graph_mod, "capture", boom)

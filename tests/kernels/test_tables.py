@@ -20,6 +20,8 @@ def test_this_gpus_table_else_a_sibling_else_none():
     t, note = _common.select_table(tables, {"gpu": "NVIDIA L4", "sm_count": 58, "capability": [8, 9]})
     assert t is None and "no tuned table for the NVIDIA L4 (58 SMs)" in note
     assert _common.select_table(tables, None) == (tables[0], "")   # the interpreter: the first
+    untagged = [{"entries": ["u"]}]                                 # a file the tests write
+    assert _common.select_table(untagged, A100) == (untagged[0], "")
 
 
 def test_store_table_replaces_only_this_gpus(tmp_path):
