@@ -8,7 +8,7 @@ persisting for the kernels of a graph (an access policy window on each kernel no
 streaming weights can no longer evict it. The states live in one buffer (ModelState.rec_buf);
 engine/graph.py puts the window on every kernel node of the captured decode step.
 
-Measured on the H200 (docs/decode_log.md, stop 26): the step ~1% faster at position 640 and
+Measured on the H200 (docs/performance.md, "GDN states in a persisting L2 window"): the step ~1% faster at position 640 and
 ~1.4% at 32,704, tokens unchanged, with the set-aside a little larger than the window; a
 set-aside of exactly the window's size gained nothing, and the driver's whole 37.5 MiB, or a
 window over half the range, was slower than none.

@@ -4,7 +4,7 @@ recorded once and then replayed from the host, launch by launch.
 With the CUDA graph off the host launches each of the step's ~123 kernels. Through our
 wrappers (argument checks, plan lookups) and Triton's dispatch (binding and specialising the
 arguments, the kernel-cache lookup) each launch cost the device's host ~47 us, so the eager step
-took ~5.8 ms for ~0.6 ms of GPU work (stop 33, experiments/stop33/profile_eager.py). Yet the
+took ~5.8 ms for ~0.6 ms of GPU work (docs/performance.md, "Launch cache"). Yet the
 step's launches are the same at every step of a context range: the kernels read the token and
 the position from device tensors, which is what lets one captured CUDA graph serve the range.
 So the engine records them once, each launch's Triton launcher and the arguments Triton passed

@@ -571,7 +571,7 @@ def sample_plan(vocab: int, top_k_max: int, n_draws: int = 1, *,
     # where full sorts of 256 / 512 keys needed 4 and 8 levels and a sort in the final kernel.
     # In the sampled step on the H200 (ms at 640, top-k 20 / top-p 0.9): 0.6210 / 0.6209 with
     # the full sorts, 0.6165 / 0.6128 merging (greedy: 0.6047). (Those top-p times match top-p
-    # with top-k 20 still set; top-p alone, 256 candidates, measured 0.627 in stop 22.)
+    # with top-k 20 still set; top-p alone, 256 candidates, measured 0.627 ms.)
     if block_v is None:
         block_v = max(2 * kc, min(SAMPLE_BLOCK, next_pow2(vocab)))
     if merge_chunk is None:
