@@ -82,6 +82,8 @@ def main(argv=None) -> int:
                     help="comma-separated parts of plan names to tune (e.g. 6176x1024,gdn_core,lm_head); "
                          "default all")
     ap.add_argument("--no-split-k", action="store_true", help="skip the split-K candidates")
+    ap.add_argument("--model", default=None, help="tune for this model folder's shapes (random weights; "
+                                              "default: the 0.8B)")
     ap.add_argument("--max-context", type=int, default=4096, help="the engine's context while tuning")
     args = ap.parse_args(argv)
     if not 0.0 <= args.margin < 0.5:
@@ -98,13 +100,13 @@ def main(argv=None) -> int:
     from .tuning.decode import lm_head_persistent_candidates
 
     from .options import EngineOptions, SamplingParams
-    from .config import qwen35_08b_config
     from .loader import random_backend
 
     log = lambda s: print(s, flush=True)  # noqa: E731
     out_path = args.out or _common.DECODE_TABLE_PATH
     t_start = time.time()
-    cfg = qwen35_08b_config()
+    from .tuning import model_config
+    cfg = model_config(args.model)
     be = random_backend(cfg, EngineOptions(backend="triton", device="cuda", dtype="bfloat16",
                                            max_context=args.max_context, split_k=True, graph=True))
     be.set_context_ranges(False)                 # the base plans, at every position

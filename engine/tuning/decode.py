@@ -24,25 +24,38 @@ import time
 import torch
 import triton
 
+from tritonchat.engine.config import FULL_ATTENTION
 from tritonchat.kernels import _common
 from tritonchat.kernels import gemv as G
 from tritonchat.kernels._common import pdl_mode
 from tritonchat.kernels.gdn_decode import gdn_decode
 from tritonchat.kernels.sampling import lm_head_argmax, lm_head_partials_numel, lm_head_plan
 
-# the 0.8B text model (docs/qwen35-text-model.md section 1)
-D, I, V = 1024, 3584, 248320
-HK, HV, DK, DV, KW = 16, 16, 128, 128, 4
-H, KV, HD, ROT = 8, 2, 256, 64
-CONV_DIM = 2 * HK * DK + HV * DV                    # 6144
-N_PROJ = CONV_DIM + 2 * HV                          # 6176: q|k|v|b|a (z: the core's launch)
-N_QKV = 2 * H * HD + 2 * KV * HD                    # 5120
-LAYER_TYPES = ["gdn", "gdn", "gdn", "attn"] * 6
-EPS = 1e-6
 DT = torch.bfloat16
 
-# (key, n_out, k, prologue, epilogue, what)
-GEMVS = [
+
+def use_config(cfg) -> None:
+    """The shapes this tuner measures: the model's (set from its config in main; the defaults
+    below are Qwen3.5-0.8B's, docs/qwen35-text-model.md section 1)."""
+    global D, I, V, HK, HV, DK, DV, KW, H, KV, HD, ROT, CONV_DIM, N_PROJ, N_QKV, LAYER_TYPES, EPS
+    global GEMVS, LM_KEY, CORE_KEY
+    D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    DK, DV, KW = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    H, KV, HD, ROT = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+    CONV_DIM = 2 * HK * DK + HV * DV
+    N_PROJ = CONV_DIM + 2 * HV                      # q|k|v|b|a (z: the core's launch)
+    N_QKV = 2 * H * HD + 2 * KV * HD
+    LAYER_TYPES = ["attn" if t == FULL_ATTENTION else "gdn" for t in cfg.layer_types]
+    EPS = cfg.rms_norm_eps
+    GEMVS = _gemvs()
+    LM_KEY = f"lm_head:{V}x{D}:rms"
+    CORE_KEY = f"gdn_core:{HV}x{DK}x{DV}"
+
+
+def _gemvs() -> list:
+    # (key, n_out, k, prologue, epilogue, what)
+    return [
     (G.plan_key(N_PROJ, D, "rms", "conv"), N_PROJ, D, "rms", "conv",
      "GDN in_proj qkv|b|a + input norm + causal conv"),
     (G.plan_key(N_QKV, D, "rms", "plain"), N_QKV, D, "rms", "plain",
@@ -55,9 +68,15 @@ GEMVS = [
      "attention o_proj + residual"),
     (G.plan_key(D, I, "none", "residual"), D, I, "none", "residual",
      "MLP down + residual"),
-]
-LM_KEY = f"lm_head:{V}x{D}:rms"
-CORE_KEY = f"gdn_core:{HV}x{DK}x{DV}"
+    ]
+
+
+def _default_config():
+    from tritonchat.engine.config import qwen35_08b_config
+    return qwen35_08b_config()
+
+
+use_config(_default_config())
 
 
 SPLIT_GAIN = 0.97   # keep split-K only when it beats the best direct form by > 3%
@@ -386,6 +405,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=_common.DECODE_TABLE_PATH)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None, help="tune for this model folder's shapes (default: the 0.8B)")
     ap.add_argument("--bench", action="store_true", help="time the fused kernels, no sweep")
     ap.add_argument("--table", default=None, help="read this table instead of the packaged one")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -396,6 +416,8 @@ def main(argv=None) -> int:
         print("tune_decode needs a CUDA GPU", file=sys.stderr)
         return 2
     log = lambda s: print(s, flush=True)  # noqa: E731
+    from . import model_config
+    use_config(model_config(args.model))
     if args.table:
         _common.DECODE_TABLE_PATH = args.table
         _common.clear_table_cache()

@@ -87,8 +87,8 @@ def attn_grid(quick: bool, T: int) -> list[dict]:
 class Bench:
     """Shapes and buffers of one prompt length, plus one closure per kernel and config."""
 
-    def __init__(self, T: int):
-        c = qwen35_08b_config()
+    def __init__(self, T: int, cfg=None):
+        c = cfg or qwen35_08b_config()
         self.cfg, self.T = c, T
         dev, bf = "cuda", torch.bfloat16
         D, I = c.hidden_size, c.intermediate_size
@@ -214,12 +214,12 @@ def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
     return f"prepare {prep * 1e3:.1f} us | state {state * 1e3:.1f} us | output {out * 1e3:.1f} us"
 
 
-def tune(T_list, quick: bool) -> tuple[dict, list[str]]:
+def tune(T_list, quick: bool, cfg=None) -> tuple[dict, list[str]]:
     configs: dict[str, dict] = {}
     report: list[str] = []
     for T in T_list:
         print(f"T = {T}", flush=True)
-        bench = Bench(T)
+        bench = Bench(T, cfg)
         rows = []
         for name, (_, _, _, _, _, layers) in bench.gemms.items():
             key = bench.gemm_key(name)
@@ -275,6 +275,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(gemm_mod.TUNING_FILE), help="tile table to write")
     ap.add_argument("--quick", action="store_true", help="small grid, short timing (< 4 min)")
+    ap.add_argument("--model", default=None, help="tune for this model folder's shapes (default: the 0.8B)")
     ap.add_argument("--T", type=int, nargs="*", default=list(gemm_mod.T_BUCKETS),
                     help="prompt lengths to tune (default: the table's buckets)")
     args = ap.parse_args(argv)
@@ -283,7 +284,8 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     torch.manual_seed(0)
-    configs, report = tune(args.T, args.quick)
+    from . import model_config
+    configs, report = tune(args.T, args.quick, model_config(args.model))
     data = dict(_common.gpu_identity(), version=1, torch=torch.__version__,
                 triton=__import__("triton").__version__, buckets=list(gemm_mod.T_BUCKETS), configs=configs)
     _common.store_table(args.out, data)           # this GPU's table; the other GPUs' kept
