@@ -230,6 +230,7 @@ def test_timing_panel_reference_note_and_memory(panel):
     assert panel.memory.text() == ""
 
 
+@pytest.mark.slow                      # 5,000 points: ~35 s on 2 cores
 def test_timing_panel_theme_and_many_points(panel):
     panel.set_colors(DARK)
     assert panel.colors is DARK

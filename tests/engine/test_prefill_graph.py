@@ -72,8 +72,12 @@ def _compare(ckpt, device, dtype, turns, tol):
     return padded
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter twin of the GPU test")
-@pytest.mark.parametrize("turns", [(1,), (3,), (63,), (64,), (65,), (20, 5), (20, 2), (9, 70)],
+@pytest.mark.parametrize("turns", [(1,), pytest.param((3,), marks=SLOW), (63,), (64,), (65,), (20, 5),
+                                   pytest.param((20, 2), marks=SLOW), pytest.param((9, 70), marks=SLOW)],
                          ids=lambda t: "+".join(map(str, t)))
 def test_padded_prefill_leaves_the_plain_state(ckpt, turns):
     assert os.environ.get("TRITON_INTERPRET") == "1"
