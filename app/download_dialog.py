@@ -13,7 +13,6 @@ import errno
 import html
 import re
 import importlib
-import shutil
 import socket
 import threading
 import urllib.error
@@ -26,6 +25,7 @@ from PySide6.QtWidgets import (QDialog, QFileDialog, QHBoxLayout, QLabel, QProgr
 
 from tritonchat.app.errors import describe_exception
 from tritonchat.engine.errors import DownloadError
+from tritonchat.engine.hub import free_bytes
 
 POLL_MS = 200
 _BAR_STEPS = 1000          # QProgressBar takes int; byte counts past 2 GiB would overflow it
@@ -87,17 +87,6 @@ def is_network_error(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free space on the disk that ``path`` (which may not exist yet) would be created on."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            try:
-                return shutil.disk_usage(candidate).free
-            except OSError:
-                return None
-    return None
 
 
 def _run_in_thread(fn, *args) -> Future:
@@ -259,7 +248,7 @@ class DownloadDialog(QDialog):
         self.dest_label.setText(f"Destination: {plan.dest}")
         self.rate_label.clear()
         self._set_buttons(download=True)
-        free = _free_bytes(Path(plan.dest))
+        free = free_bytes(Path(plan.dest))
         if free is not None and free < missing:
             self._show_notice(f"Only {format_bytes(free)} are free on that disk but "
                               f"{format_bytes(missing)} are needed: free some space and press "

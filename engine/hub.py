@@ -300,14 +300,15 @@ def _unwritable(cache: Path, e: OSError) -> _Failed:
 
 
 def _disk_full(cache: Path, need: int, e: Optional[OSError] = None) -> _Failed:
-    free = _free_bytes(cache)
+    free = free_bytes(cache)
     have = f"has {format_size(free)} free but " if free is not None else "is full and "
     return _Failed(f"the disk holding {cache} is full", str(e) if e else None,
                    sentence=f"The disk holding {cache} {have}the model needs {format_size(need)} more; "
                             f"free some space, or {_CHOOSE_CACHE}.")
 
 
-def _free_bytes(path: Path) -> Optional[int]:
+def free_bytes(path: Path) -> Optional[int]:
+    """Free space on the disk that `path` (which may not exist yet) would be created on."""
     for candidate in (path, *path.parents):
         if candidate.exists():
             try:
@@ -826,7 +827,7 @@ def _download_into(plan: DownloadPlan, policy: RetryPolicy, progress: _Progress,
     repo_dir = cache / _repo_folder(plan.repo_id)
     _check_writable(repo_dir / "blobs")
     need = max(0, plan.total_bytes - plan.have_bytes)
-    free = _free_bytes(repo_dir)
+    free = free_bytes(repo_dir)
     if free is not None and free < need:
         raise _disk_full(cache, need)
     hub = _Hub(timeout=policy.stall_s)

@@ -416,11 +416,11 @@ def test_other_plan_failure_shows_its_sentence(qtbot, fake):
 
 
 def test_not_enough_disk_space(qtbot, fake, monkeypatch):
-    monkeypatch.setattr(dd, "_free_bytes", lambda path: 500)
+    monkeypatch.setattr(dd, "free_bytes", lambda path: 500)
     dlg = open_dialog(qtbot)
     assert not dlg.download_button.isEnabled()
     assert "Only 500 B are free" in dlg.notice_label.text()
-    monkeypatch.setattr(dd, "_free_bytes", lambda path: 10**12)
+    monkeypatch.setattr(dd, "free_bytes", lambda path: 10**12)
     dlg.retry_button.click()
     qtbot.waitUntil(lambda: dlg.state == "ready" and dlg.download_button.isEnabled(), timeout=5000)
 
