@@ -420,8 +420,11 @@ class DecodeStep:
         return len(self.ranges) - 1
 
     def use_position(self, pos: int) -> None:
-        """Run the plans of the range holding position `pos` from now on."""
-        self.use_range(self.range_of(pos))
+        """Run the plans of the range holding position `pos` from now on (asked before every
+        step: nothing to do while the range stays the same)."""
+        i = self.range_of(pos)
+        if i != self.range_index:
+            self.use_range(i)
 
     def use_range(self, i: int) -> None:
         self.range_index = i
