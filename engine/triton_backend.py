@@ -461,6 +461,37 @@ class TritonBackend(Backend):
         else:
             self._replays[self.decode_step.range_index] = rec
 
+    # ------------------------------------------------------------- what runs, for tools ----
+    @property
+    def graphs(self) -> Optional[list]:
+        """The captured decode steps, one per context range (None until captured)."""
+        return self._graphs
+
+    @property
+    def graph(self):
+        """The captured decode step replayed last (None before the first replay)."""
+        return self._graph
+
+    @property
+    def timed_graphs(self) -> Optional[list]:
+        """The timed captures (graph, its events) per range, while the timing panel is open."""
+        return self._timed_graphs
+
+    @property
+    def launch_recordings(self) -> dict:
+        """{context range index: its recorded launches} of the graph-off decode path."""
+        return self._replays
+
+    @property
+    def l2_set_aside(self) -> int:
+        """Bytes of L2 set aside for persisting lines now (0: none)."""
+        return self._l2_limit
+
+    @property
+    def prefill_graphs(self):
+        """The prefill CUDA graphs (engine/triton_prefill.py PrefillGraphs), None until used."""
+        return self._prefill_graphs
+
     @property
     def launch_replay_active(self) -> bool:
         """Whether eager decode steps replay recorded launches now (graph off, cache on, CUDA,

@@ -144,16 +144,16 @@ def test_gpu_window_on_every_kernel_node_and_tokens_unchanged(ckpt, monkeypatch)
         base, n, hit, prop = w
         assert base == buf.data_ptr() and n == min(nbytes, max_window)
         assert prop == 2 and 0.0 < hit <= 1.0                    # persisting
-    graph_obj = tri._graph
+    graph_obj = tri.graph
     more = gen.generate(prompt + on.token_ids + [9], GREEDY, max_new_tokens=8)
-    assert tri._graph is graph_obj and more.token_ids       # the position advances, no re-capture
+    assert tri.graph is graph_obj and more.token_ids       # the position advances, no re-capture
     # switched off: re-captured without the window, the same tokens
     kept.clear()
     tri.configure(l2_state=False)
     gen.forget()
     off = gen.generate(prompt, GREEDY, max_new_tokens=40)
     assert off.token_ids == on.token_ids
-    assert tri.l2_state_nodes == 0 and "windows" not in kept and tri._l2_limit == 0
+    assert tri.l2_state_nodes == 0 and "windows" not in kept and tri.l2_set_aside == 0
     tri.close()
 
 
@@ -166,7 +166,7 @@ def test_gpu_window_failure_says_so_once_and_decodes(ckpt, monkeypatch, capsys):
     tri = _tri(ckpt, graph=True)
     prompt = list(range(5, 30))
     res = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=20)
-    assert len(res.token_ids) == 20 and tri._graph is not None and tri.options.graph
+    assert len(res.token_ids) == 20 and tri.graph is not None and tri.options.graph
     assert tri.l2_state_nodes == 0 and not tri.options.l2_state
     err = capsys.readouterr().err
     assert err.count("cannot be kept in L2") == 1 and "CUresult 1" in err

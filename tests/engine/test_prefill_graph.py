@@ -90,11 +90,11 @@ def test_too_close_to_the_end_of_the_context_runs_plain(ckpt):
     be = _backend(ckpt, "cpu", "float32", max_context=80)
     be.prefill_graph = True
     be.prefill(list(range(3, 3 + 30)))                # bucket 64 fits: the padded path
-    assert be._prefill_graphs is not None and be.length == 30
+    assert be.prefill_graphs is not None and be.length == 30
     with torch.inference_mode():
-        be._prefill_graphs.t.fill_(-1)                # would show if the padded path ran again
+        be.prefill_graphs.t.fill_(-1)                # would show if the padded path ran again
     be.prefill(list(range(3, 3 + 20)))                # 30 + bucket 64 > 80: the plain path
-    assert be.length == 50 and int(be._prefill_graphs.t) == -1
+    assert be.length == 50 and int(be.prefill_graphs.t) == -1
 
 
 @pytest.mark.gpu

@@ -161,10 +161,10 @@ def test_gpu_graph_equals_eager_and_no_recapture(ckpt):
     prompt = list(range(5, 30))
     gen = Generator(tri, [])
     with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)
-    graph_obj = tri._graph
+    graph_obj = tri.graph
     assert graph_obj is not None
     more = gen.generate(prompt + with_graph.token_ids + [9], GREEDY, max_new_tokens=10)
-    assert tri._graph is graph_obj                     # position advanced without re-capture
+    assert tri.graph is graph_obj                     # position advanced without re-capture
     tri.configure(graph=False)
     gen.forget()
     eager = gen.generate(prompt, GREEDY, max_new_tokens=40)
@@ -236,7 +236,7 @@ def _freed_without_collector(ckpt, device, dtype, graph):
     cfg, _, tri = _pair(ckpt, device=device, dtype=dtype, graph=graph)
     tri.prefill_graph = True          # the padded prefill path (captured on CUDA) on the CPU too
     Generator(tri, []).generate(list(range(5, 20)), GREEDY, max_new_tokens=4)
-    assert tri._prefill_graphs is not None
+    assert tri.prefill_graphs is not None
     tri.prefill([3, 4, 5])
     tri.begin_sampling(GREEDY, [])
     tri.step(tri.sample())
@@ -338,9 +338,9 @@ def test_opening_the_timing_panel_captures_the_timed_step_at_once(ckpt):
     gen = Generator(tri, [])
     prompt = list(range(3, 24))
     a = gen.generate(prompt, GREEDY, max_new_tokens=5).token_ids
-    assert tri._timed_graphs is None
+    assert tri.timed_graphs is None
     tri.configure(timing=True)
-    assert tri._timed_graphs is not None
+    assert tri.timed_graphs is not None
     b = Generator(tri, []).generate(prompt, GREEDY, max_new_tokens=5).token_ids
     assert a == b and tri.kernel_timings()
 
@@ -525,8 +525,8 @@ def test_gpu_attention_context_range_graphs_equal_eager(ckpt, range_table):
     prompt = list(range(5, 30))
     gen = Generator(tri, [])
     with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)   # positions 25..64
-    graphs = list(tri._graphs)
-    assert len(graphs) == 4 and tri._graph is graphs[3]
+    graphs = list(tri.graphs)
+    assert len(graphs) == 4 and tri.graph is graphs[3]
     # ranges [0, 32) [32, 40) [40, 48) [48, ...): the attention's plan from 40 on
     ranges = tri.decode_step.ranges
     assert [r[1].get("attention") is None for r in ranges] == [True, True, False, False]
@@ -560,27 +560,27 @@ def test_gpu_launch_cache_equals_dispatch_and_graph(ckpt, range_table):
             gen.forget()
             assert gen.generate(prompt, p, max_new_tokens=40).token_ids == want[name], (cache, name)
             if cache:
-                assert sorted(tri._replays) == [0, 1, 2] and tri.launch_replay_active
-                assert all(len(r) >= 4 * cfg.num_hidden_layers for r in tri._replays.values())
+                assert sorted(tri.launch_recordings) == [0, 1, 2] and tri.launch_replay_active
+                assert all(len(r) >= 4 * cfg.num_hidden_layers for r in tri.launch_recordings.values())
             else:
-                assert tri._replays == {} and not tri.launch_replay_active
+                assert tri.launch_recordings == {} and not tri.launch_replay_active
     assert tri.launch_cache_error is None
     tri.configure(launch_cache=True)
     gen.forget()
     gen.generate(prompt, GREEDY, max_new_tokens=40)
-    rec = tri._replays[2]
+    rec = tri.launch_recordings[2]
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
     rec.replay()
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "the replay allocated"
     tri.begin_sampling(sampled, [])
-    assert tri._replays == {}                           # a new sampler mode: a new step
+    assert tri.launch_recordings == {}                           # a new sampler mode: a new step
     gen.forget()
     gen.generate(prompt, GREEDY, max_new_tokens=40)
-    assert tri._replays
+    assert tri.launch_recordings
     tri.configure(split_k=not tri.options.split_k)
-    assert tri._replays == {}
+    assert tri.launch_recordings == {}
 
 
 @pytest.mark.gpu
@@ -624,10 +624,10 @@ def test_gpu_context_ranges_graphs_equal_eager_and_no_recapture(ckpt, range_tabl
     prompt = list(range(5, 30))
     gen = Generator(tri, [])
     with_graph = gen.generate(prompt, GREEDY, max_new_tokens=40)   # positions 25..64
-    graphs = list(tri._graphs)
-    assert len(graphs) == 3 and tri._graph is graphs[2]
+    graphs = list(tri.graphs)
+    assert len(graphs) == 3 and tri.graph is graphs[2]
     more = gen.generate(prompt + with_graph.token_ids + [9], GREEDY, max_new_tokens=10)
-    assert more.token_ids and all(g is h for g, h in zip(tri._graphs, graphs))
+    assert more.token_ids and all(g is h for g, h in zip(tri.graphs, graphs))
     gen.forget()
     tri.reset()
     tri.prefill(prompt)
