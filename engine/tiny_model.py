@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Optional
 
 from .errors import TritonChatError
 
@@ -60,7 +61,7 @@ QWEN35_ADDED_TOKENS: list[tuple[str, bool]] = [
 ]
 
 # Qwen-style pre-tokenizer split (contractions, letter runs, single digits, punctuation, spaces).
-_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _CORPUS = [
@@ -76,14 +77,16 @@ class TinyModelError(TritonChatError):
     pass
 
 
-def _train_tokenizer(base_vocab: int):
+def train_tokenizer(base_vocab: int, corpus: Optional[list[str]] = None):
+    """A byte-level BPE with Qwen's normalisation and pre-tokenisation, <= base_vocab ids,
+    trained on `corpus` (default: a few lines of text and code)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, \
         processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
@@ -92,7 +95,7 @@ def _train_tokenizer(base_vocab: int):
     trainer = trainers.BpeTrainer(vocab_size=base_vocab, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=[])
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 4, trainer=trainer)
     return tok
 
 
@@ -105,7 +108,7 @@ def write_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> dict[str, int
     from tokenizers import AddedToken
 
     padding = max(3, vocab_size // 100)       # unused top rows, like the real 248320 vs 248077
-    tok = _train_tokenizer(vocab_size - len(QWEN35_ADDED_TOKENS) - padding)
+    tok = train_tokenizer(vocab_size - len(QWEN35_ADDED_TOKENS) - padding)
     special: dict[str, int] = {}
     for text, is_special in QWEN35_ADDED_TOKENS:
         token = AddedToken(text, single_word=False, lstrip=False, rstrip=False, normalized=False,

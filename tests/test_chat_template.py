@@ -8,13 +8,13 @@ from datetime import datetime
 
 import pytest
 
-from tests.fixtures.tokenizer_fixture import TEMPLATE_PATH, write_tiny_tokenizer
+from tests.fixtures.tokenizer_fixture import TEMPLATE_TEXT, write_tiny_tokenizer
 from tritonchat.engine import chat_template
 from tritonchat.engine.chat_template import ChatTemplateError, load_template_source, render
 from tritonchat.engine.errors import ModelFilesError, TritonChatError
 from tritonchat.engine.tokenizer import ChatTokenizer
 
-TEMPLATE = TEMPLATE_PATH.read_text(encoding="utf-8")
+TEMPLATE = TEMPLATE_TEXT
 OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"   # small-model default: thinking off
 ON = "<|im_start|>assistant\n<think>\n"
 
