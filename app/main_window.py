@@ -25,8 +25,7 @@ from tritonchat.engine.options import SamplingParams
 from . import theme
 from .chat_input import ChatInput, ElidedLabel
 from .chat_view import ChatView
-from .conversation import (SAVE_INTERVAL_S, ConversationController, ConversationListener,  # noqa: F401
-                           Generation, title_from)
+from .conversation import ConversationController, ConversationListener
 from .conversation_list import ConversationList
 from .errors import ErrorBanner, show_error
 from .settings import ChatSettings, load_settings, remember_model, save_settings
@@ -34,7 +33,7 @@ from .settings_dialog import SettingsDialog
 from .stats_text import engine_label
 from .store import ChatStore, Message
 from .timing_panel import TimingPanel
-from .worker import EngineClient, GenerateRequest, SessionLoader
+from .worker import EngineClient, SessionLoader
 
 MIN_CHAT_WIDTH = 320             # what a user-dragged timing panel leaves the chat at least
 CHAT_SHARE = 0.62               # the chat keeps at least this share of the width beside the timing panel

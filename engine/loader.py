@@ -4,8 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from .options import EngineOptions, cuda_available
 from .backend import Backend
 from .config import TextConfig, load_config

@@ -9,7 +9,8 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
-from tritonchat.app.main_window import CPU_BANNER, title_from
+from tritonchat.app.conversation import title_from
+from tritonchat.app.main_window import CPU_BANNER
 from tritonchat.app.settings import load_settings
 
 
@@ -565,7 +566,7 @@ def test_switching_chats_while_generating_keeps_streaming(qtbot, make_window, on
 
 
 def test_answer_reaches_the_store_while_it_streams(qtbot, make_window, on_gui):
-    from tritonchat.app.main_window import SAVE_INTERVAL_S
+    from tritonchat.app.conversation import SAVE_INTERVAL_S
 
     w = make_window(max_new_tokens=100000, ignore_eos=True)
     seen = []
