@@ -20,6 +20,7 @@ import torch
 
 from .options import EngineOptions, SamplingParams
 from .errors import TritonChatError
+from .profile_step import prefill_flops
 
 
 def measure_hbm_read_methods(nbytes: int, device, reps: int = 20) -> dict:
@@ -280,6 +281,7 @@ def prefill_table(be, cfg, lens: list[int], repeats: int = 5) -> dict:
                 runs.append(time.perf_counter() - t0)
             dt = statistics.median(runs)
             out[str(n)] = {"ttft_ms": dt * 1e3, "prefill_tok_s": n / dt,
+                           "tflop_s": sum(prefill_flops(cfg, n).values()) / dt / 1e12,
                            "ttft_ms_runs": [round(r * 1e3, 3) for r in runs]}
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -427,7 +429,7 @@ def run_bench(args, options: EngineOptions) -> int:
         be.configure(prefill_graph=False)        # the plain launches first, then the graphs
         report["prefill"] = prefill_table(be, cfg, [n for n in lens if n < context])
         print("TTFT (median of 5): " + ", ".join(
-            f"{n} tok {v['ttft_ms']:.1f} ms" for n, v in report["prefill"].items() if "ttft_ms" in v),
+            f"{n} tok {v['ttft_ms']:.1f} ms ({v['tflop_s']:.0f} TFLOP/s)" for n, v in report["prefill"].items() if "ttft_ms" in v),
             file=sys.stderr)
         if be.name == "triton":
             # the same prompts through the prefill CUDA graphs (the warm-up run of each length
@@ -436,7 +438,7 @@ def run_bench(args, options: EngineOptions) -> int:
             be.configure(prefill_graph=True)
             report["prefill_graphed"] = prefill_table(be, cfg, [n for n in lens if n <= GRAPH_MAX_T])
             print("TTFT with prefill graphs (median of 5): " + ", ".join(
-                f"{n} tok {v['ttft_ms']:.1f} ms" for n, v in report["prefill_graphed"].items()
+                f"{n} tok {v['ttft_ms']:.1f} ms ({v['tflop_s']:.0f} TFLOP/s)" for n, v in report["prefill_graphed"].items()
                 if "ttft_ms" in v), file=sys.stderr)
         be.configure(prefill_graph=graphed)
         be.close()

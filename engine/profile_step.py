@@ -1,7 +1,7 @@
 """Profile the captured decode step kernel by kernel (GPU only).
 
     python -m tritonchat.engine.profile_step [--pos 640] [--steps 50] [--json FILE]
-    python -m tritonchat.engine.profile_step --prefill 2048 [--steps 20] [--json FILE]
+    python -m tritonchat.engine.profile_step --prefill 128,2048,8192,32768 [--steps 20] [--json FILE]
 
 The kernel panel times each kernel with CUDA events between launches, which adds the launch gaps
 back in; this tool instead records the real graph replays with the CUDA profiler (CUPTI through
@@ -10,11 +10,13 @@ count, mean duration and summed time, the time the GPU had at least one kernel r
 union: overlap from programmatic dependent launch counts once), the step's wall time, and the
 idle gaps between kernels - the fixed cost that fusion or a persistent kernel would remove.
 
-`--prefill T` records instead what a chat's time to first token runs on the GPU: a prefill of T
-tokens (replayed from its captured prefill graph up to 2,048 tokens, as the app runs it) and the
-first token, per prefill: each kernel's count and time, the busy time. Timing each prefill
-kernel alone overstates its share (cold caches, no overlap); this is the split inside the real
-TTFT.
+`--prefill T[,T...]` records instead what a chat's time to first token runs on the GPU: a prefill
+of T tokens (replayed from its captured prefill graph up to 2,048 tokens, as the app runs it) and
+the first token, per prefill: each kernel's count and time, the busy time, and per operator
+family (GEMMs, chunked GDN, attention, ...) its time and achieved TFLOP/s against the FLOPs the
+model does (`prefill_flops`), beside the cuBLAS bf16 GEMM rate measured in the same run (the
+ceiling a GEMM family can be held to). Timing each prefill kernel alone overstates its share
+(cold caches, no overlap); this is the split inside the real TTFT.
 """
 from __future__ import annotations
 
@@ -25,6 +27,76 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
+
+
+# operator families of the prefill kernels, by a substring of the kernel's name (first match)
+FAMILIES = (("gemm", "gemm"), ("gdn_chunk", "gdn_chunk"), ("attention_prefill", "attention"),
+            ("kv_cache_write", "kv_cache"), ("conv1d", "conv1d"), ("rms_norm", "rms_norm"),
+            ("embedding", "embedding"), ("lm_head", "lm_head"))
+
+
+def operator_family(kernel_name: str) -> str:
+    """The family a prefill kernel belongs to ("other": sampling, copies, torch's own)."""
+    for key, family in FAMILIES:
+        if key in kernel_name:
+            return family
+    return "other"
+
+
+def prefill_flops(cfg, T: int, start: int = 0) -> dict:
+    """FLOPs (multiply-add = 2) of a T-token prefill at positions start.. and its first token,
+    per family: the projections (every layer's GEMMs, x @ W^T over the T rows), causal
+    attention (q.k and p.v over the pairs s <= t of every head), the chunked gated delta rule
+    (per chunk of C = 64 rows and head: K K^T, the W / U solves, W S0, Q S0, Q K^T, its
+    product with the deltas, the state update), and the LM head on the last row."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    Hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    attn_proj = D * (2 * H * hd + 2 * KV * hd) + H * hd * D
+    gdn_proj = D * (cfg.conv_dim + 2 * Hv + cfg.linear_value_dim) + cfg.linear_value_dim * D
+    mlp = 3 * D * I
+    gemm = 2 * T * (n_attn * attn_proj + n_gdn * gdn_proj + (n_attn + n_gdn) * mlp)
+    pairs = T * start + T * (T + 1) // 2
+    attention = n_attn * H * 4 * hd * pairs
+    C = 64
+    per_chunk = 2 * C * C * dk * 3 + 2 * C * C * dv * 2 + 2 * C * dk * dv * 3
+    gdn = n_gdn * Hv * per_chunk * -(-T // C)
+    return {"gemm": gemm, "attention": attention, "gdn_chunk": gdn, "lm_head": 2 * D * cfg.vocab_size}
+
+
+def gemm_rate_tflops(n: int = 8192, reps: int = 20) -> float:
+    """cuBLAS bf16 rate on an n x n x n GEMM (TFLOP/s): the tensor-core ceiling of this GPU."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        a @ b
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (e0.elapsed_time(e1) * 1e-3) / 1e12
+
+
+def family_table(summary: dict, flops: dict) -> list[dict]:
+    """Per operator family of one prefill: kernels, ms, share of the kernels' summed time,
+    TFLOP and TFLOP/s where the family has a FLOP count."""
+    fam: dict = defaultdict(lambda: [0.0, 0.0])
+    for r in summary["kernels"]:
+        f = fam[operator_family(r["name"])]
+        f[0] += r["per_step"]
+        f[1] += r["us_per_step"]
+    total = sum(us for _, us in fam.values()) or 1.0
+    rows = []
+    for name, (n, us) in sorted(fam.items(), key=lambda kv: -kv[1][1]):
+        row = {"family": name, "kernels": n, "ms": us / 1e3, "share": us / total}
+        if flops.get(name):
+            row["tflop"] = flops[name] / 1e12
+            row["tflop_s"] = flops[name] / (us * 1e-6) / 1e12
+        rows.append(row)
+    return rows
 
 
 def _kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -135,9 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--host", action="store_true", help="profile the host side of eager decode "
                     "steps and a prefill instead (cProfile)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt length for --host")
-    ap.add_argument("--prefill", type=int, default=0,
-                    help="profile prefills of this many tokens (+ the first token) instead")
+    ap.add_argument("--prefill", default="",
+                    help="profile prefills of these many tokens (comma-separated; + the first token) instead")
     args = ap.parse_args(argv)
+    args.prefill = [int(x) for x in str(args.prefill).split(",") if x]
+    if args.prefill:
+        args.context = max(args.context, max(args.prefill) + 64)
     if not torch.cuda.is_available():
         print("profile_step needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -208,11 +283,28 @@ def main(argv=None) -> int:
 
 
 def _prefill_profile(be, args) -> int:
+    out = {"gpu": torch.cuda.get_device_name(), "cublas_bf16_tflop_s": gemm_rate_tflops(),
+           "prefill_graph": bool(getattr(be, "prefill_graph", False)), "prefills": []}
+    print(f"{out['gpu']}: cuBLAS bf16 GEMM {out['cublas_bf16_tflop_s']:.0f} TFLOP/s (8192^3)")
+    for T in args.prefill:
+        out["prefills"].append(_prefill_one(be, T, args.steps))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps({"prefill_profile": [{k: p[k] for k in ("prefill_tokens", "ttft_ms_unprofiled",
+                                                             "busy_ms", "tflop_s", "families")}
+                                          for p in out["prefills"]],
+                      "gpu": out["gpu"], "cublas_bf16_tflop_s": out["cublas_bf16_tflop_s"]}))
+    return 0
+
+
+def _prefill_one(be, T: int, steps: int) -> dict:
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
-    ids = list(range(3000, 3000 + args.prefill))
+    ids = list(range(3000, 3000 + T))
+    steps = max(1, steps if T <= 2048 else steps // 4)
 
     def ttft():
         be.reset()
@@ -223,27 +315,32 @@ def _prefill_profile(be, args) -> int:
         ttft()                                        # compiled, prefill graph captured
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         ttft()
-    wall = (time.perf_counter() - t0) / args.steps
+    wall = (time.perf_counter() - t0) / steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             ttft()
         torch.cuda.synchronize()
     # per prefill: the gaps between prefills (host work of reset/sample) count as idle
-    summary = summarize(_kernel_events(prof), args.steps)
-    summary.update(prefill_tokens=args.prefill, ttft_ms_unprofiled=wall * 1e3,
-                   prefill_graph=bool(getattr(be, "prefill_graph", False)),
-                   gpu=torch.cuda.get_device_name())
-    print(f"prefill of {args.prefill} tokens + first token: {wall * 1e3:.2f} ms unprofiled; GPU busy "
-          f"{summary.get('busy_us_per_step', 0) / 1e3:.2f} ms, {summary['kernels_per_step']:.0f} kernels")
+    summary = summarize(_kernel_events(prof), steps)
+    flops = prefill_flops(be.cfg, T)
+    busy_ms = summary.get("busy_us_per_step", 0) / 1e3
+    summary.update(prefill_tokens=T, ttft_ms_unprofiled=wall * 1e3, busy_ms=busy_ms,
+                   tflop=sum(flops.values()) / 1e12,
+                   tflop_s=sum(flops.values()) / wall / 1e12 if wall else 0.0,
+                   families=family_table(summary, flops))
+    print(f"\nprefill of {T} tokens + first token: {wall * 1e3:.2f} ms unprofiled "
+          f"({summary['tflop']:.2f} TFLOP, {summary['tflop_s']:.0f} TFLOP/s); GPU busy {busy_ms:.2f} ms, "
+          f"{summary['kernels_per_step']:.0f} kernels")
+    print(f"{'family':12s} {'kernels':>7s} {'ms':>8s} {'share':>6s} {'TFLOP':>7s} {'TFLOP/s':>8s}")
+    for r in summary["families"]:
+        extra = f" {r['tflop']:7.3f} {r['tflop_s']:8.0f}" if "tflop" in r else ""
+        print(f"{r['family']:12s} {r['kernels']:7.0f} {r['ms']:8.3f} {100 * r['share']:5.1f}%{extra}")
     print(f"{'kernel':60s} {'n':>5s} {'mean us':>8s} {'ms':>7s}")
     for r in summary["kernels"]:
         print(f"{r['name'][:60]:60s} {r['per_step']:5.0f} {r['mean_us']:8.1f} {r['us_per_step'] / 1e3:7.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0
+    return summary
 
 
 def _host_profile(be, args) -> int:

@@ -64,3 +64,43 @@ def test_critical_path_shares_sum_to_the_span_under_overlap():
     assert rows["gemv_attn_qkv_norm"]["us_per_step"] == 9.0
     assert rows["gemv_attn_o_proj"]["critical_us_per_step"] == 3.0
     assert sum(r["critical_us_per_step"] for r in rows.values()) == 15.0 - 2.0
+
+
+def test_prefill_gemm_flops_are_two_per_weight_per_row():
+    # an independent count: every projection weight of the checkpoint (2-D, not the embedding,
+    # which the LM head counts once) does one multiply-add per prompt row
+    from tritonchat.engine.config import qwen35_08b_config
+    from tritonchat.engine.profile_step import prefill_flops
+    cfg = qwen35_08b_config()
+    suffixes = ("proj.weight", "proj_qkv.weight", "proj_z.weight", "proj_b.weight", "proj_a.weight")
+    params = sum(s[0] * s[1] for n, s in cfg.expected_shapes().items() if n.endswith(suffixes))
+    for T in (1, 2048):
+        f = prefill_flops(cfg, T)
+        assert f["gemm"] == 2 * T * params
+        assert f["lm_head"] == 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def test_prefill_attention_flops_count_the_causal_pairs():
+    from tritonchat.engine.config import qwen35_08b_config
+    from tritonchat.engine.profile_step import prefill_flops
+    cfg = qwen35_08b_config()
+    T, start = 37, 11
+    pairs = sum(1 for t in range(T) for s in range(start + t + 1))     # keys 0..p for query p
+    per_pair = 2 * 2 * cfg.head_dim * cfg.num_attention_heads          # q.k and p.v, every head
+    assert prefill_flops(cfg, T, start)["attention"] == len(cfg.full_attention_layers) * per_pair * pairs
+
+
+def test_family_table_groups_kernels_and_rates_them():
+    from tritonchat.engine.profile_step import family_table, operator_family
+    assert operator_family("_gemm_kernel") == "gemm"
+    assert operator_family("_gdn_chunk_state_kernel") == "gdn_chunk"
+    assert operator_family("_attention_prefill_kernel") == "attention"
+    assert operator_family("void at::native::elementwise_kernel<...>") == "other"
+    summary = {"kernels": [{"name": "_gemm_kernel", "per_step": 4, "us_per_step": 300.0},
+                           {"name": "_gemm_splitk_reduce", "per_step": 2, "us_per_step": 100.0},
+                           {"name": "_rms_norm_kernel", "per_step": 4, "us_per_step": 100.0}]}
+    rows = {r["family"]: r for r in family_table(summary, {"gemm": 2e12})}
+    assert rows["gemm"]["kernels"] == 6 and rows["gemm"]["ms"] == pytest.approx(0.4)
+    assert rows["gemm"]["tflop_s"] == pytest.approx(2e12 / 400e-6 / 1e12)
+    assert rows["gemm"]["share"] == pytest.approx(0.8)
+    assert "tflop_s" not in rows["rms_norm"]
