@@ -113,7 +113,7 @@ class DownloadDialog(QDialog):
     def __init__(self, repo_id: str, revision: str | None = None, cache_dir=None, parent=None):
         super().__init__(parent)
         self.repo_id = repo_id
-        self.revision = revision or getattr(_hub(), "DEFAULT_REVISION", "main")
+        self.revision = revision or _hub().DEFAULT_REVISION
         self.cache_dir = cache_dir
         self.result_dir: Path | None = None
         self.plan = None                  # hub.DownloadPlan once planning succeeded

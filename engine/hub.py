@@ -53,10 +53,10 @@ from typing import Callable, Optional
 from .errors import DownloadError
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-0.8B"
-# The one place the model revision is pinned. It should be the commit the engine was tested on; no
-# machine here could reach the hub to look that commit up, so it is still the branch main (an
-# unpinned download). Put the 40-hex commit here: downloads, the cache lookup and the GUI all follow.
-DEFAULT_REVISION = "main"
+# The one place the model revision is pinned: the commit of Qwen/Qwen3.5-0.8B whose files every
+# user gets (the snapshot the model's users run; its config, tokenizer and template are the ones
+# docs/ and the tests follow). Downloads, the cache lookup and the GUI all follow this constant.
+DEFAULT_REVISION = "2fc06364715b967f1860aea9cf38778875588b17"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 # What the text model needs, matched against top-level repo paths (fnmatch, case-sensitive).
@@ -232,7 +232,8 @@ def _read_ref(repo_dir: Path, revision: str) -> Optional[str]:
 def _complete_snapshot(repo_dir: Path, revision: str) -> Optional[Path]:
     snapshots = repo_dir / "snapshots"
     if _COMMIT_RE.match(revision):
-        candidates = [snapshots / revision]  # a pinned commit means exactly that commit
+        # a pinned commit means exactly that commit, or the files a user put in snapshots/manual
+        candidates = [snapshots / revision, snapshots / _MANUAL_SNAPSHOT]
     else:
         commit = _read_ref(repo_dir, revision)
         candidates = [snapshots / commit] if commit else []

@@ -45,6 +45,8 @@ from typing import Iterable, Optional
 
 import pytest
 
+from tritonchat.engine.hub import DEFAULT_REVISION
+
 DEFAULT_REPO = "Qwen/Qwen3.5-0.8B"
 SHARD = "model.safetensors-00001-of-00001.safetensors"  # the official (odd) shard name
 _CHUNK = 16 * 1024
@@ -104,7 +106,7 @@ class FakeHub:
     def __init__(self, files: dict[str, bytes], repo_id: str = DEFAULT_REPO, *, stall_after: Optional[int] = None,
                  drop_once: bool = False, corrupt: Iterable[str] = (), corrupt_once: Iterable[str] = (),
                  throttle_bps: Optional[float] = None, ignore_range: bool = False, fail_first: int = 0,
-                 lfs: Optional[Iterable[str]] = None, stall_s: float = 60.0):
+                 lfs: Optional[Iterable[str]] = None, stall_s: float = 60.0, commit: Optional[str] = None):
         self.files = dict(files)
         self.repo_id = repo_id
         self.stall_after = stall_after
@@ -118,7 +120,9 @@ class FakeHub:
         self.lfs = set(lfs) if lfs is not None else {n for n in self.files if n.endswith(".safetensors")}
         self.oid = {n: git_blob_id(d) for n, d in self.files.items()}
         self.sha256 = {n: hashlib.sha256(d).hexdigest() for n, d in self.files.items()}
-        self.commit = hashlib.sha1("".join(f"{n}:{self.oid[n]};" for n in sorted(self.files)).encode()).hexdigest()
+        # the repo's head commit: by default the one the engine pins, so a download of the pinned
+        # revision finds it (the head of main is that commit)
+        self.commit = commit or DEFAULT_REVISION
         self.requests: list[tuple[str, str, Optional[str]]] = []
         self.authorization: list[tuple[str, str, Optional[str]]] = []
         self.bodies: list[list] = []  # [file, Range header, status, bytes sent so far]

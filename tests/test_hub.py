@@ -151,7 +151,7 @@ def write_snapshot(cache: Path, folder: str, files: dict[str, bytes], ref: str |
 
 def test_local_model_dir_needs_every_file_the_loader_needs(hub_env):
     files = text_files(fake_model_files(weights_bytes=64))
-    commit = "a" * 40
+    commit = hub.DEFAULT_REVISION
     snapshot = write_snapshot(hub_env.cache, commit, {n: d for n, d in files.items() if n != SHARD}, ref=commit)
     assert local_model_dir() is None  # the index names a shard that is missing
     (snapshot / SHARD).symlink_to("../../blobs/missing")
@@ -177,10 +177,15 @@ def test_local_model_dir_finds_manual_copies_and_the_old_tritonchat_cache(hub_en
     monkeypatch.setitem(sys.modules, "platformdirs", None)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert local_model_dir() is None
-    ours_before = write_snapshot(tmp_path / "home" / ".cache" / "tritonchat" / "hub", "d" * 40, files, ref="d" * 40)
+    pinned = hub.DEFAULT_REVISION
+    ours_before = write_snapshot(tmp_path / "home" / ".cache" / "tritonchat" / "hub", pinned, files)
     assert local_model_dir() == ours_before
-    theirs = write_snapshot(tmp_path / "xdg" / "huggingface" / "hub", "c" * 40, files, ref="c" * 40)
+    theirs = write_snapshot(tmp_path / "xdg" / "huggingface" / "hub", pinned, files)
     assert local_model_dir() == theirs
+    # another commit of the model is not the pinned one: it is not used
+    (tmp_path / "xdg" / "huggingface" / "hub" / REPO_DIR / "snapshots" / pinned).rename(
+        tmp_path / "xdg" / "huggingface" / "hub" / REPO_DIR / "snapshots" / ("c" * 40))
+    assert local_model_dir() == ours_before
 
 
 def test_a_default_download_is_found_by_huggingface_hub(hub_env, tmp_path, monkeypatch):
@@ -201,8 +206,8 @@ def test_a_default_download_is_found_by_huggingface_hub(hub_env, tmp_path, monke
 def test_the_revision_is_pinned_in_one_place():
     import inspect
     src = inspect.getsource(hub)
-    assert re.fullmatch(r"main|[0-9a-f]{40}", hub.DEFAULT_REVISION)
-    assert src.count('"main"') == 1   # the constant's own definition
+    assert re.fullmatch(r"[0-9a-f]{40}", hub.DEFAULT_REVISION)     # a commit, not a branch
+    assert '"main"' not in src and src.count(hub.DEFAULT_REVISION) == 1   # the constant's definition
     for fn in (local_model_dir, plan_download, DownloadProcess.__init__):
         assert inspect.signature(fn).parameters["revision"].default == hub.DEFAULT_REVISION
 
@@ -282,11 +287,11 @@ def test_full_download_progress_and_hub_compatibility(hub_env):
     assert all(fake.served[n] == 0 for n in SKIPPED)  # preprocessor configs, README, LICENSE untouched
     # One listing, then each file once (the small index twice: planning reads it), nothing else.
     resolve = f"/{DEFAULT_MODEL}/resolve/{fake.commit}/"
-    assert fake.requests[0] == ("GET", f"/api/models/{DEFAULT_MODEL}/revision/main?blobs=true", None)
+    assert fake.requests[0] == ("GET", f"/api/models/{DEFAULT_MODEL}/revision/{hub.DEFAULT_REVISION}?blobs=true", None)
     fetched = sorted(path[len(resolve):] for _, path, _ in fake.requests[1:] if path.startswith(resolve))
     assert fetched == sorted([*wanted, "model.safetensors.index.json"])
     assert len(fake.requests) == 1 + len(fetched) + len(fake.lfs)  # + the CDN GET of each LFS file
-    assert (hub_env.cache / REPO_DIR / "refs" / "main").read_text() == fake.commit
+    assert not (hub_env.cache / REPO_DIR / "refs").exists()   # a pinned commit needs no branch ref
 
     # Cached: no network at all the second time, offline or not.
     count = len(fake.requests)
@@ -294,11 +299,15 @@ def test_full_download_progress_and_hub_compatibility(hub_env):
     assert resolve_model(DEFAULT_MODEL, offline=True) == dest
     assert len(fake.requests) == count
 
-    # huggingface_hub reads the same cache: offline, and online without fetching a byte again.
+    # huggingface_hub reads the same cache: offline at the pinned commit (as its own pinned
+    # download, it keeps no branch ref), and online at main (whose head is that commit here)
+    # without fetching a byte again.
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    assert Path(snapshot_download(DEFAULT_MODEL, cache_dir=hub_env.cache, local_files_only=True)) == dest
-    assert Path(hf_hub_download(DEFAULT_MODEL, "config.json", cache_dir=hub_env.cache, local_files_only=True)) == dest / "config.json"
+    pinned = hub.DEFAULT_REVISION
+    assert Path(snapshot_download(DEFAULT_MODEL, revision=pinned, cache_dir=hub_env.cache, local_files_only=True)) == dest
+    assert Path(hf_hub_download(DEFAULT_MODEL, "config.json", revision=pinned, cache_dir=hub_env.cache,
+                                local_files_only=True)) == dest / "config.json"
     bodies = len(fake.bodies)
     for name in (SHARD, "tokenizer.json"):
         path = hf_hub_download(DEFAULT_MODEL, name, cache_dir=hub_env.cache, endpoint=fake.endpoint)
