@@ -67,13 +67,11 @@ chain (rounded where the kernels round). A human table, then ONE final JSON line
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, asdict
@@ -89,86 +87,18 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from persistent_common import (INTERPRET, cdiv, import_tritonchat, make_timed,  # noqa: E402
+                               next_pow2, programs_per_sm, ptxas_regs, rel_err, round_floats,
+                               rows_load, signal, stall, start_watchdog, sync, time_us,
+                               wait_counter)
 
-
-def _import_tritonchat():
-    """tritonchat.kernels from an install, else from this checkout through a symlink shim (the
-    device runs the repo without installing it)."""
-    try:
-        import tritonchat.kernels.gemv  # noqa: F401
-        return
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parent.parent
-    tag = hashlib.sha1(str(root).encode()).hexdigest()[:10]
-    shim = Path(tempfile.gettempdir()) / f"tritonchat_shim_{tag}"
-    pkg = shim / "tritonchat"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").touch()
-    for d in ("engine", "kernels", "app", "resources"):
-        link = pkg / d
-        if link.is_symlink() and os.readlink(link) != str(root / d):
-            link.unlink()
-        if not link.exists():
-            os.symlink(root / d, link)
-    sys.path.insert(0, str(shim))
-    for m in [m for m in sys.modules if m == "tritonchat" or m.startswith("tritonchat.")]:
-        del sys.modules[m]
-
-
-_import_tritonchat()
+import_tritonchat()
 
 
 # ------------------------------------------------------------------------------------------
-# device helpers (GPU only: inline PTX is not available in the interpreter)
+# L2 prefetch helpers (GPU only: inline PTX is not available in the interpreter)
 # ------------------------------------------------------------------------------------------
-
-@triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _stall(ns, stamp_ptr):
-    """Spin `ns` nanoseconds on %globaltimer; the time actually spent goes to stamp_ptr[0]."""
-    t0 = _globaltimer()
-    t = t0
-    while t - t0 < ns:
-        t = _globaltimer()
-    tl.store(stamp_ptr, t - t0)
-
-
-@triton.jit
-def _wait_counter(cnt_ptr, target, err_ptr, timeout_ns, SPIN: tl.constexpr):
-    """Block the program until cnt_ptr[0] >= target (acquire). Spins on an acquire atomic
-    (SPIN 0: one thread reads, the value is broadcast, so the loop is uniform) or on a volatile
-    load followed by one acquire atomic (SPIN 1). After `timeout_ns` it gives up and sets
-    err_ptr[0] = 1 instead of hanging (a grid that is not co-resident would deadlock)."""
-    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    if c < target:
-        t0 = _globaltimer()
-        while c < target:
-            if SPIN == 0:
-                c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-            else:
-                c = tl.load(cnt_ptr, volatile=True)
-            if _globaltimer() - t0 > timeout_ns:
-                tl.atomic_xchg(err_ptr, 1)
-                c = target
-        if SPIN == 1:
-            c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    # every thread's later activation loads after the acquiring thread's read
-    tl.debug_barrier()
-
-
-@triton.jit
-def _signal(cnt_ptr, n):
-    """cnt_ptr[0] += n after all of this program's stores (barrier, then a release atomic)."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, n, sem="release", scope="gpu")
-
 
 @triton.jit
 def _pf_tiles(base, T, pid, G, TILE_EL: tl.constexpr, MAXT: tl.constexpr, NCH: tl.constexpr,
@@ -250,18 +180,6 @@ def _pf_stream(wgu_ptr, wd_ptr, layer0, f0, f_end, n_tot, n_gu, per, pid, G,
             "{\n\t.reg .pred %pfq;\n\tsetp.ne.s32 %pfq, $2, 0;\n\t"
             "@%pfq prefetch.global.L2 [$1];\n\t}\n\tmov.u32 $0, 0;",
             "=r,l,r", [ptrs, pred], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _rows_load(base, rows, ok, offs, K: tl.constexpr, KP: tl.constexpr):
-    """W[rows, :K] of a row-major [*, K] matrix as a [len(rows), KP] tile (rows with ok False and
-    columns >= K read as 0 and cost no memory traffic); weights stream once: evict_first."""
-    ptrs = base + rows.to(tl.int64)[:, None] * K + offs[None, :]
-    if KP == K:
-        m = ok[:, None]
-    else:
-        m = ok[:, None] & (offs < K)[None, :]
-    return tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -349,8 +267,8 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
             # my first gate_up tile of the first layer, before anything waits
             L0 = (layer0 + l_lo).to(tl.int64)
             g_rows = pid * BN_GU + rg
-            wg_c = _rows_load(wgu_ptr + L0 * (2 * I * H), g_rows, g_rows < I, offs_h, H, HP)
-            wu_c = _rows_load(wgu_ptr + L0 * (2 * I * H) + I * H, g_rows, g_rows < I, offs_h,
+            wg_c = rows_load(wgu_ptr + L0 * (2 * I * H), g_rows, g_rows < I, offs_h, H, HP)
+            wu_c = rows_load(wgu_ptr + L0 * (2 * I * H) + I * H, g_rows, g_rows < I, offs_h,
                               H, HP)
     for l in range(l_lo, l_hi):
         L = (layer0 + l).to(tl.int64)
@@ -368,22 +286,22 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                 if PHASE == -1:
                     if l > l_lo:                           # (the first layer's: at start)
                         g_rows = pid * BN_GU + rg
-                        wg_c = _rows_load(wgu_l, g_rows, g_rows < I, offs_h, H, HP)
-                        wu_c = _rows_load(wgu_l + I * H, g_rows, g_rows < I, offs_h, H, HP)
+                        wg_c = rows_load(wgu_l, g_rows, g_rows < I, offs_h, H, HP)
+                        wu_c = rows_load(wgu_l + I * H, g_rows, g_rows < I, offs_h, H, HP)
             if CROSS:
                 # my first down tile of this layer, before the wait
                 d_rows = pid * BN_D + rd
-                wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+                wd_f = rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
             nw = tl.load(nw_l + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
             if PHASE == -1:
                 if l > 0:
-                    _wait_counter(cnt_ptr + q - 1, base_cnt * T_D, err_ptr, timeout_ns, SPIN)
+                    wait_counter(cnt_ptr + q - 1, base_cnt * T_D, err_ptr, timeout_ns, SPIN)
             if PDL:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if STALL:
                 if (q == stall_op) & (pid == 0):
-                    _stall(stall_ns, stamp_ptr)
+                    stall(stall_ns, stamp_ptr)
             hv = tl.load(h_ptr + offs_h, mask=offs_h < H, other=0.0,
                          cache_modifier=".cg").to(tl.float32)
             inv = tl.rsqrt(tl.sum(hv * hv, axis=0) / H + eps)
@@ -397,8 +315,8 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     rows = (pid + i * G) * BN_GU + rg
                     nrows = rows + G * BN_GU
                     nok = nrows < I       # past my last tile: nothing is loaded
-                    wg_n = _rows_load(wgu_l, nrows, nok, offs_h, H, HP)
-                    wu_n = _rows_load(wgu_l + I * H, nrows, nok, offs_h, H, HP)
+                    wg_n = rows_load(wgu_l, nrows, nok, offs_h, H, HP)
+                    wu_n = rows_load(wgu_l + I * H, nrows, nok, offs_h, H, HP)
                     g = tl.sum(wg_c.to(tl.float32) * x[None, :], axis=1)
                     u = tl.sum(wu_c.to(tl.float32) * x[None, :], axis=1)
                     tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(ACT), mask=rows < I)
@@ -414,8 +332,8 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     rows = (pid + i * G) * BN_GU + rg
                     ok = rows < I
                     if BK_GU >= HP:
-                        wg = _rows_load(wgu_l, rows, ok, offs_h, H, HP)
-                        wu = _rows_load(wgu_l + I * H, rows, ok, offs_h, H, HP)
+                        wg = rows_load(wgu_l, rows, ok, offs_h, H, HP)
+                        wu = rows_load(wgu_l + I * H, rows, ok, offs_h, H, HP)
                         g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
                         u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
                     else:
@@ -436,7 +354,7 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                         u = tl.sum(acc_u, axis=1)
                     tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(ACT), mask=ok)
             if PHASE == -1:
-                _signal(cnt_ptr + q, n_gu)
+                signal(cnt_ptr + q, n_gu)
         # ---------------- down + residual of layer l (operator q = 2l + 1) ----------------
         if PHASE != 0:
             q = 2 * l + 1
@@ -447,19 +365,19 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                 # my first gate_up tile of the next layer, before the wait
                 g_rows = pid * BN_GU + rg
                 g_ok = g_rows < tl.where(l + 1 < l_hi, I, 0)      # none after the last
-                wg_c = _rows_load(wgu_l + 2 * I * H, g_rows, g_ok, offs_h, H, HP)
-                wu_c = _rows_load(wgu_l + 3 * I * H, g_rows, g_ok, offs_h, H, HP)
+                wg_c = rows_load(wgu_l + 2 * I * H, g_rows, g_ok, offs_h, H, HP)
+                wu_c = rows_load(wgu_l + 3 * I * H, g_rows, g_ok, offs_h, H, HP)
             if OWN_FIRST:
                 d_rows = pid * BN_D + rd
-                wd_f = _rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
+                wd_f = rows_load(wd_l, d_rows, d_rows < H, offs_i, I, IP)
             if PHASE == -1:
-                _wait_counter(cnt_ptr + q - 1, base_cnt * T_GU, err_ptr, timeout_ns, SPIN)
+                wait_counter(cnt_ptr + q - 1, base_cnt * T_GU, err_ptr, timeout_ns, SPIN)
             if PDL:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if STALL:
                 if (q == stall_op) & (pid == 0):
-                    _stall(stall_ns, stamp_ptr)
+                    stall(stall_ns, stamp_ptr)
             if LOOKAHEAD == 1:
                 av = tl.load(act_ptr + offs_i, mask=offs_i < I, other=0.0,
                              cache_modifier=".cg").to(tl.float32)
@@ -472,7 +390,7 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     rows = (pid + i * G) * BN_D + rd
                     nrows = rows + G * BN_D
                     nok = nrows < H
-                    wd_n = _rows_load(wd_l, nrows, nok, offs_i, I, IP)
+                    wd_n = rows_load(wd_l, nrows, nok, offs_i, I, IP)
                     r = tl.load(h_ptr + rows, mask=rows < H, other=0.0,
                                 cache_modifier=".cg").to(tl.float32)
                     y = tl.sum(wd_c.to(tl.float32) * av[None, :], axis=1) + r
@@ -493,7 +411,7 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                     r = tl.load(h_ptr + rows, mask=ok, other=0.0,
                                 cache_modifier=".cg").to(tl.float32)
                     if BK_D >= IP:
-                        wd = _rows_load(wd_l, rows, ok, offs_i, I, IP)
+                        wd = rows_load(wd_l, rows, ok, offs_i, I, IP)
                         y = tl.sum(wd.to(tl.float32) * av[None, :], axis=1) + r
                     else:
                         acc = tl.zeros((BN_D, BK_D), dtype=tl.float32)
@@ -506,7 +424,7 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
                         y = tl.sum(acc, axis=1) + r
                     tl.store(h_ptr + rows, y.to(ACT), mask=ok)
             if PHASE == -1:
-                _signal(cnt_ptr + q, n_d)
+                signal(cnt_ptr + q, n_d)
     if PHASE == -1:
         tl.store(epoch_ptr + pid, base_cnt)
 
@@ -595,15 +513,6 @@ VARIANTS = [
 DEFAULT_VARIANTS = ("baseline,phase,phase_sm,persist,persist_sw,persist_sw0,persist_l2,"
                     "persist_sw_l2,persist_sw0_a4,persist_sw0_a8,persist_sw0_a16")
 BY_NAME = {v.name: v for v in VARIANTS}
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def next_pow2(n):
-    return 1 << max(0, int(n - 1).bit_length())
-
 
 
 def _plans(H, I):
@@ -862,24 +771,14 @@ class Runner:
                 c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
                 self.nl, 0, 0, self.G, c.eps, -1, 0, self.timeout_ns, PHASE=-1, PDL=0,
                 grid=(self.G,), **self.meta)
-            k._init_handles()
-            regs, spills = int(k.n_regs), int(k.n_spills)
-            shared = int(getattr(k.metadata, "shared", 0) or 0)
+            occ = programs_per_sm(k, self.meta["num_warps"], c.device)
         except Exception as e:               # fall back on the spin timeout alone
             info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
             self.occupancy = info
             return info
-        props = torch.cuda.get_device_properties(c.device)
+        info.update(occ)
+        fit, regs, shared = occ["programs_per_sm_max"], occ["regs"], occ["shared"]
         warps = self.meta["num_warps"]
-        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        thr_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        per_warp = cdiv(max(regs, 1) * 32, 256) * 256
-        by_regs = (regs_sm // per_warp) // warps
-        by_thr = thr_sm // (32 * warps)
-        by_smem = smem_sm // (shared + 1024) if shared else 32
-        fit = min(by_regs, by_thr, by_smem, 32)
-        info.update(regs=regs, spills=spills, shared=shared, programs_per_sm_max=fit)
         self.occupancy = info
         if fit < self.ppsm:
             raise RuntimeError(f"grid not co-resident: {self.ppsm} programs/SM asked, "
@@ -888,65 +787,6 @@ class Runner:
 
     def errored(self):
         return self.v.mode != "baseline" and int(self.err.item()) != 0
-
-
-# ------------------------------------------------------------------------------------------
-# timing
-# ------------------------------------------------------------------------------------------
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def make_timed(runner: Runner, n_sets, reps, graph):
-    """A callable that enqueues `reps` chains (weight sets in turn), CUDA-graph captured when
-    `graph` (eager if the capture fails); (fn, chains per call, graphed)."""
-    dev = runner.c.device
-
-    def eager():
-        for k in range(reps):
-            runner.run(k % n_sets)
-    for _ in range(2):
-        eager()
-    _sync(dev)
-    if not graph or dev.type != "cuda":
-        return eager, reps, False
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            eager()
-        g.replay()
-        _sync(dev)
-    except Exception as e:
-        print(f"#   graph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
-        _sync(dev)
-        return eager, reps, False
-    runner._graphs = getattr(runner, "_graphs", []) + [g]       # keep it alive
-    return g.replay, reps, True
-
-
-def time_us(fn, per_call, iters, dev):
-    """us per chain over `iters` calls (CUDA events on the GPU, wall clock on the CPU)."""
-    if dev.type == "cuda":
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        fn()
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3 / (iters * per_call)
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t) * 1e6 / (iters * per_call)
-
-
-def rel_err(out, ref):
-    out, ref = out.float(), ref.float()
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 # ------------------------------------------------------------------------------------------
@@ -997,37 +837,13 @@ def compile_only(args, variants):
                             atom=ptx.count("atom.") + ptx.count("red.global"),
                             acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
                             shared=int(k.metadata.shared))
-                info.update(_ptxas_regs(ptx))
+                info.update(ptxas_regs(ptx))
             except Exception as e:
                 info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
             out[key] = info
             print(key, json.dumps(info), flush=True)
     print(json.dumps({"compile_only": out}))
     return 0 if all(i.get("ok") for i in out.values()) else 1
-
-
-def _ptxas_regs(ptx):
-    """Registers / spills per thread from `ptxas -v` on the PTX (sm_90a), if ptxas is around."""
-    import re
-    import subprocess
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            p = get_ptxas(90)
-        except TypeError:
-            p = get_ptxas()
-        ptxas = p.path if hasattr(p, "path") else p[0]
-    except Exception:
-        return {}
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        with open(f, "w") as fh:
-            fh.write(ptx)
-        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    m = re.search(r"Used (\d+) registers", r.stderr)
-    sp = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return dict(regs=int(m.group(1)) if m else None, spill_stores=int(sp.group(1)) if sp else None)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1139,7 +955,7 @@ def measure_variant(v, chain, args, dev, ctx):
     # (the counters carry over between chains: epochs 1 and 2)
     chain.reset()
     runner.run(0)
-    _sync(dev)
+    sync(dev)
     if runner.errored():
         raise RuntimeError("spin timeout (deadlock guard fired): grid not co-resident or a "
                            "counter never reached its target")
@@ -1152,7 +968,7 @@ def measure_variant(v, chain, args, dev, ctx):
     h1 = chain.h.clone()
     chain.reset()
     runner.run(0)
-    _sync(dev)
+    sync(dev)
     r["repeatable"] = bool(torch.equal(chain.h, h1))
     if dev.type == "cpu":
         t = time.perf_counter()
@@ -1246,7 +1062,7 @@ def main(argv=None):
     res["variants"] = out
     watchdog = None
     if args.deadline_s > 0:
-        watchdog = _start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
+        watchdog = start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
     try:
         return _run_variants(args, variants, dev, chain, res, out, n_sets, t_start)
     finally:
@@ -1328,30 +1144,8 @@ def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
         print(f"best persistent: {best} at {100 * b['frac_roofline']:.1f}% of the roofline "
               f"(target 80%), stall cost {b.get('stall_cost_us')} us (target < 0.2)")
     res.update(variants=out, verdict=verdict, seconds=round(time.time() - t_start, 1))
-    print(json.dumps(_round(res)))
+    print(json.dumps(round_floats(res)))
     return 0
-
-
-def _start_watchdog(res, seconds, t_start):
-    """A daemon thread that prints the results so far as the final JSON line (partial: true)
-    and ends the process if the run outlasts `seconds` (a kernel that never returns would
-    otherwise hang it: a CUDA launch cannot be interrupted from Python)."""
-    import threading
-
-    def fire():
-        try:
-            res["partial"] = True
-            res["seconds"] = round(time.time() - t_start, 1)
-            busy = [n for n, r in res.get("variants", {}).items() if "seconds" not in r]
-            res["hung_in"] = busy[-1] if busy else None
-            print(f"# watchdog: deadline reached while running {res['hung_in']}", flush=True)
-            print(json.dumps(_round(res), default=str), flush=True)
-        finally:
-            os._exit(3)
-    t = threading.Timer(max(1.0, seconds), fire)
-    t.daemon = True
-    t.start()
-    return t
 
 
 def _row(name, r):
@@ -1366,16 +1160,6 @@ def _row(name, r):
     return (f"{name:<20} {f('us_per_chain', '9.2f')} {f('gb_s', '7.0f')} "
             f"{pct('frac_roofline')} {pct('frac_roofline_marginal')} {f('stall_cost_us', '8.3f')} "
             f"{f('err_vs_ref', '8.1e')} {ok:>3}  {r.get('error') or r.get('what', '')}")
-
-
-def _round(o):
-    if isinstance(o, float):
-        return round(o, 5)
-    if isinstance(o, dict):
-        return {k: _round(v) for k, v in o.items()}
-    if isinstance(o, list):
-        return [_round(v) for v in o]
-    return o
 
 
 if __name__ == "__main__":

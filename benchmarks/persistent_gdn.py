@@ -1,0 +1,1250 @@
+"""Premise test for a persistent decode step (issue #59, step 2): whole Gated DeltaNet layers of
+Qwen3.5-0.8B (in_proj, recurrent core, out_proj, MLP) as ONE persistent Triton kernel, against
+today's per-operator engine kernels.
+
+Per layer l (hidden H = 1024, 16 key / 16 value heads, dk = dv = 128, conv_dim = 6144, taps 4,
+intermediate I = 3584; bf16 weights, fp32 recurrent state):
+
+    x    = round(h * rsqrt(mean(h^2) + eps) * (1 + w_in))                  input RMSNorm
+    m    = round(W_qkvba x);  qkv = round(silu(round(conv(state | m[:C]))))  in_proj + conv + SiLU
+    z    = round(W_z x)                                                    (conv state shifted)
+    o    = round(delta rule on S [16, 128, 128] fp32, l2norm q/k, g, beta)  GDN core, S updated
+    h    = round(h + W_out round(w_g * round(rmsnorm_head(o)) * silu(z)))  out_proj, gated norm
+    a    = round(silu(Wg x') * (Wu x')),  x' = round(rmsnorm(h) * (1 + w_post))   MLP gate|up
+    h    = round(h + Wd a)                                                 MLP down
+
+Variants (``--variant a,b,...`` or ``--all``):
+
+  baseline      today's engine: a tritonchat.engine.decode_step.DecodeStep built over these
+                layers, its own ``gated_deltanet(i, layer)`` and ``mlp(layer)`` per layer (the
+                calls of a decode step: in_proj GEMV + conv epilogue, gdn_decode with the z
+                programs, out_proj GEMV + gated norm, gate|up, down), the engine's plans, PDL
+                as the engine sets it, CUDA-graph captured. 5 launches a layer.
+  phase         this script's kernel, one launch per operator (constexpr PHASE = 0..4, no
+                spinning), every launch on the persistent grid, PDL between the launches.
+  persist*      ONE launch per chain, grid = SMs x programs per SM (checked against the compiled
+                kernel's occupancy), a static task list per program (task t of an operator is
+                program t mod G's), per-operator completion counters whose targets carry the
+                chain number (read from the program's epoch slot: nothing is reset between
+                chains or graph replays), no float atomics (each output row is one program's
+                fp32 sum). Weights (and the program's own state tiles) of an operator's first
+                task are loaded into registers BEFORE the program waits on the operator's
+                inputs; inside an operator each task loads the next one's tile before reducing
+                its own (persistent_mlp's persist_sw0 form). Operators, per layer:
+                  0 in_proj   rows of [qkv | b | a] (the engine's qkvba), norm recomputed per
+                              program, the engine's conv epilogue (kernels.gemv._epilogue)
+                  1 core + z  tasks [value head x V-tile of the core | z rows]: a program first
+                              runs its z rows (they need only the layer input, no wait), then
+                              waits for the in_proj and runs its core tiles (state tile loaded
+                              before the wait)
+                  2 out_proj  the gated RMSNorm per value head, + residual
+                  3 gate|up   RMSNorm, SiLU * up
+                  4 down      + residual
+                ``_x1`` / ``_x3``: 1 / 3 programs per SM instead of --ppsm.
+
+Every variant reads the same weight and state tensors (weights cycled over several copies so
+that each chain reads HBM), from the same initial values. Checks before timing: each variant's
+h, conv states and recurrent states after one chain against a PyTorch fp32 reference of the
+chain (kernels/reference.py: gemv_ref, gdn_decode_ref; rounded where the kernels round), and
+against the baseline's (bf16 tolerance); bit-repeatable over chains.
+
+Reports: bytes a chain (weights + recurrent states read and written + conv states), the
+roofline at the HBM read rate measured in the same run (tritonchat.kernels.bandwidth, as
+persistent_mlp), us per chain and fraction of the roofline per variant, the cost of a
+``--stall-ns`` stall (default 1 us) in one task of one operator (default the middle layer's GDN
+core), the baseline's time per operator (CUDA events around each engine kernel, eager) and the
+persistent kernel's per operator (%globaltimer when the operator's last task ended). A human
+table, then ONE final JSON line.
+
+    PYTHONUNBUFFERED=1 python benchmarks/persistent_gdn.py                 (GPU, true shape)
+    TRITON_INTERPRET=1 python benchmarks/persistent_gdn.py --device cpu --tiny --phase
+                                                                           (CPU smoke test)
+    python benchmarks/persistent_gdn.py --compile-only                     (offline sm_90
+                                                                            compile, registers)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# The interpreter must be chosen before triton.jit decorates anything below.
+if "--device" in sys.argv:
+    _i = sys.argv.index("--device")
+    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from persistent_common import (INTERPRET, cdiv, globaltimer, import_tritonchat,  # noqa: E402
+                               make_timed, next_pow2, programs_per_sm, ptxas_regs, rel_err,
+                               round_floats, rows_load, signal, stall, start_watchdog, sync,
+                               time_us, wait_counter)
+
+import_tritonchat()
+
+from tritonchat.kernels.gdn_decode import (L2NORM_EPS, SOFTPLUS_THRESHOLD,  # noqa: E402
+                                           _softplus)
+from tritonchat.kernels.gemv import EPI_CONV, _epi_pre, _epilogue  # noqa: E402
+
+OPS = ("in_proj", "core+z", "out_proj", "gate_up", "down")       # per layer, in chain order
+ENGINE_NAMES = ("gemv_gdn_in_proj_norm_conv", "gdn_decode", "gemv_gdn_out_proj_gatednorm",
+                "gemv_mlp_gate_up_norm_silu", "gemv_mlp_down")   # the engine's, same order
+N_OPS = len(OPS)
+# the kernels' view of the constants above (Triton reads globals only as constexprs)
+N_OPS_K = tl.constexpr(N_OPS)
+EPI_CONV_K = tl.constexpr(EPI_CONV)
+L2_EPS_K = tl.constexpr(L2NORM_EPS)
+SP_THRESHOLD_K = tl.constexpr(SOFTPLUS_THRESHOLD)
+
+
+# ------------------------------------------------------------------------------------------
+# the operators of the chain kernel (one @triton.jit each; PERSIST: counters, else PDL)
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, SPIN: tl.constexpr,
+             PERSIST: tl.constexpr, PDL: tl.constexpr):
+    """Wait for operator q's inputs: the previous operator's counter (persistent; the chain's
+    first operator waits for nothing) or the previous launch (PDL)."""
+    if PERSIST:
+        if q > 0:
+            wait_counter(cnt_ptr + q - 1, target, err_ptr, timeout_ns, SPIN)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL: tl.constexpr):
+    """The injected stall: the program of operator stall_op's first task spins stall_ns."""
+    if STALL:
+        if (q == stall_op) & (pid == 0):
+            stall(stall_ns, stall_rec_ptr)
+
+
+@triton.jit
+def _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST: tl.constexpr,
+             STAMP: tl.constexpr):
+    """Count this program's n_mine tasks of operator q as done (release); stamp the time."""
+    if PERSIST:
+        signal(cnt_ptr + q, n_mine)
+        if STAMP:
+            tl.store(stamp_ptr + pid * n_stamp + q + 1, globaltimer())
+
+
+@triton.jit
+def _rms_x(v_ptr, nw, offs, eps, K: tl.constexpr):
+    """round(v * rsqrt(mean(v^2) + eps) * (1 + nw)) over the whole vector, fp32 (v written in
+    this launch: read from L2, .cg)."""
+    v = tl.load(v_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    vf = v.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(vf * vf, axis=0) / K + eps)
+    return (vf * inv * (1.0 + nw)).to(v.dtype).to(tl.float32)
+
+
+@triton.jit
+def _in_proj(h_ptr, proj_ptr, w_l, nw_l, cw_l, cs_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
+             q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
+             H: tl.constexpr, N_IN: tl.constexpr, CONV_DIM: tl.constexpr, KW: tl.constexpr,
+             BN: tl.constexpr, T_PREV: tl.constexpr, SPIN: tl.constexpr,
+             PERSIST: tl.constexpr, STALL: tl.constexpr, STAMP: tl.constexpr, PDL: tl.constexpr):
+    """Operator 0: proj[rows] for rows of [qkv | b | a], the input norm in the prologue, the
+    engine's conv epilogue on the qkv rows (state shifted in place). Returns x (the normed
+    input), which the z rows of operator 1 reuse."""
+    HP: tl.constexpr = triton.next_power_of_2(H)
+    T: tl.constexpr = (N_IN + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    offs = tl.arange(0, HP)
+    rows = pid * BN + tl.arange(0, BN)
+    ok = rows < N_IN
+    # before the wait: my first tile, its conv weights and state (this program wrote that state
+    # in the previous chain), the norm weights
+    w_c = rows_load(w_l, rows, ok, offs, H, HP)
+    r0, w2, s2, sn = _epi_pre(rows, ok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
+    nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
+    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    x = _rms_x(h_ptr, nw, offs, eps, H)
+    for i in range(n_mine):
+        nrows = rows + G * BN
+        nok = nrows < N_IN                  # past my last task: nothing is loaded
+        w_n = rows_load(w_l, nrows, nok, offs, H, HP)
+        r0n, w2n, s2n, snn = _epi_pre(nrows, nok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
+        y = tl.sum(w_c.to(tl.float32) * x[None, :], axis=1)
+        _epilogue(y, y, rows, ok, proj_ptr, cs_l, CONV_DIM, r0, w2, s2, sn, EPI_CONV_K, KW)
+        rows, ok, w_c = nrows, nok, w_n
+        r0, w2, s2, sn = r0n, w2n, s2n, snn
+    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
+    return x
+
+
+@triton.jit
+def _state_tile(rec_l, c, offs_k, offs_v0, DK: tl.constexpr, DV: tl.constexpr,
+                HV: tl.constexpr, BV: tl.constexpr):
+    """Pointers and mask of core task c's fp32 state tile S[h, :, v0:v0 + BV] (value heads
+    fastest: h = c % HV, v0 = (c // HV) * BV, the engine's order)."""
+    hh = c % HV
+    offs_v = (c // HV) * BV + offs_v0
+    ptrs = (rec_l + hh.to(tl.int64) * (DK * DV) + offs_k.to(tl.int64)[:, None] * DV
+            + offs_v[None, :])
+    mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
+    return ptrs, mask
+
+
+@triton.jit
+def _core_tile(S, c, proj_ptr, o_ptr, rec_l, alog_l, dtb_l, q_scale, offs_k, offs_v0,
+               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BV: tl.constexpr):
+    """The delta rule of one token on core task c's state tile S (loaded by the caller):
+    kernels/gdn_decode.py's formulas (every reduction on the loaded values), S and o stored."""
+    KEY_DIM: tl.constexpr = HK * DK
+    CONV_DIM: tl.constexpr = 2 * KEY_DIM + HV * DV
+    GROUP: tl.constexpr = HV // HK
+    act = proj_ptr.dtype.element_ty
+    hh = c % HV
+    hk = hh // GROUP
+    offs_v = (c // HV) * BV + offs_v0
+    mk = offs_k < DK
+    mv = offs_v < DV
+    q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0,
+                cache_modifier=".cg").to(tl.float32)
+    k = tl.load(proj_ptr + KEY_DIM + hk * DK + offs_k, mask=mk, other=0.0,
+                cache_modifier=".cg").to(tl.float32)
+    v = tl.load(proj_ptr + 2 * KEY_DIM + hh * DV + offs_v, mask=mv, other=0.0,
+                cache_modifier=".cg").to(tl.float32)
+    b = tl.load(proj_ptr + CONV_DIM + hh, cache_modifier=".cg").to(tl.float32)
+    a = tl.load(proj_ptr + CONV_DIM + HV + hh, cache_modifier=".cg").to(tl.float32)
+    dt_b = tl.load(dtb_l + hh).to(tl.float32)
+    a_log = tl.load(alog_l + hh).to(tl.float32)
+    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS_K) * q_scale
+    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS_K)
+    qk = tl.sum(q * k, axis=0)
+    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
+    sq = tl.sum(S * q[:, None], axis=0)
+    beta = tl.sigmoid(b).to(act).to(tl.float32)
+    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD_K))
+    delta = beta * (v - (g * rk) * sk)
+    S = S * g + (k * rk)[:, None] * delta[None, :]
+    o = (g * rq) * sq + delta * (rk * rq * qk)
+    ptrs, mask = _state_tile(rec_l, c, offs_k, offs_v0, DK, DV, HV, BV)
+    tl.store(ptrs, S, mask=mask)
+    tl.store(o_ptr + hh * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _core_z(x, proj_ptr, z_ptr, o_ptr, wz_l, rec_l, alog_l, dtb_l, cnt_ptr, err_ptr, stamp_ptr,
+            stall_rec_ptr, q, base, pid, G, q_scale, stall_op, stall_ns, timeout_ns, n_stamp,
+            H: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+            DV: tl.constexpr, BV: tl.constexpr, BN_Z: tl.constexpr, T_PREV: tl.constexpr,
+            SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
+            STAMP: tl.constexpr, PDL: tl.constexpr):
+    """Operator 1: tasks [core tiles (value head x V-tile) | z row tiles], task t program
+    t mod G's. A program's z rows first (z = W_z x needs only the layer input: no wait), then
+    the wait for the in_proj, then its core tiles."""
+    HP: tl.constexpr = triton.next_power_of_2(H)
+    DKP: tl.constexpr = triton.next_power_of_2(DK)
+    VD: tl.constexpr = HV * DV
+    T_C: tl.constexpr = HV * ((DV + BV - 1) // BV)
+    T_1: tl.constexpr = T_C + (VD + BN_Z - 1) // BN_Z
+    n_c = (T_C - pid + G - 1) // G                      # my core tiles: pid, pid + G, ...
+    n_all = (T_1 - pid + G - 1) // G
+    n_z = n_all - n_c                                   # then my z tiles
+    offs_k = tl.arange(0, DKP)
+    offs_v0 = tl.arange(0, BV)
+    offs_h = tl.arange(0, HP)
+    # my first state tile (mine since the previous chain) and my first z rows, before anything
+    s_ptrs, s_mask = _state_tile(rec_l, pid, offs_k, offs_v0, DK, DV, HV, BV)
+    # (a task that does not exist: its bound is 0, every lane masked off)
+    S_c = tl.load(s_ptrs, mask=s_mask & (offs_v0[None, :] < tl.where(pid < T_C, BV, 0)),
+                  other=0.0)
+    zrows = (pid + n_c * G - T_C) * BN_Z + tl.arange(0, BN_Z)
+    zok = zrows < tl.where(n_z > 0, VD, 0)
+    wz_c = rows_load(wz_l, zrows, zok, offs_h, H, HP)
+    for j in range(n_z):
+        nz = zrows + G * BN_Z
+        nzok = nz < VD
+        wz_n = rows_load(wz_l, nz, nzok, offs_h, H, HP)
+        y = tl.sum(wz_c.to(tl.float32) * x[None, :], axis=1)
+        tl.store(z_ptr + zrows, y.to(z_ptr.dtype.element_ty), mask=zok)
+        zrows, zok, wz_c = nz, nzok, wz_n
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
+    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    for j in range(n_c):
+        c = pid + j * G
+        n_ptrs, n_mask = _state_tile(rec_l, c + G, offs_k, offs_v0, DK, DV, HV, BV)
+        S_n = tl.load(n_ptrs, mask=n_mask & (offs_v0[None, :] < tl.where(c + G < T_C, BV, 0)),
+                      other=0.0)
+        _core_tile(S_c, c, proj_ptr, o_ptr, rec_l, alog_l, dtb_l, q_scale, offs_k, offs_v0,
+                   HK, HV, DK, DV, BV)
+        S_c = S_n
+    _op_done(cnt_ptr, q, n_all, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
+
+
+@triton.jit
+def _out_proj(h_ptr, z_ptr, o_ptr, w_l, gnw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
+              q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
+              H: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+              T_PREV: tl.constexpr, SPIN: tl.constexpr, PERSIST: tl.constexpr,
+              STALL: tl.constexpr, STAMP: tl.constexpr, PDL: tl.constexpr):
+    """Operator 2: h[rows] += W_out[rows] @ round(w_g * round(o_j * rsqrt(mean(o_j^2) + eps))
+    * silu(z_j)) per value head j (Hv and dv powers of two: the input is one [Hv, dv] tile)."""
+    VD: tl.constexpr = HV * DV
+    T: tl.constexpr = (H + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    offs = tl.arange(0, VD)
+    dd = tl.arange(0, DV)
+    rows = pid * BN + tl.arange(0, BN)
+    ok = rows < H
+    # before the wait: my first tile, the norm weight, my residual rows (last written by the
+    # previous layer's down, complete before this layer's in_proj started)
+    w_c = rows_load(w_l, rows, ok, offs, VD, VD)
+    r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    gw = tl.load(gnw_l + dd).to(tl.float32)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
+    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    off2 = tl.arange(0, HV)[:, None] * DV + dd[None, :]
+    o2 = tl.load(o_ptr + off2, cache_modifier=".cg")
+    zf = tl.load(z_ptr + off2, cache_modifier=".cg").to(tl.float32)
+    act = o2.dtype
+    of = o2.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
+    n = (of * inv[:, None]).to(act).to(tl.float32)
+    x = tl.reshape((gw[None, :] * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32), (VD,))
+    for i in range(n_mine):
+        nrows = rows + G * BN
+        nok = nrows < H
+        w_n = rows_load(w_l, nrows, nok, offs, VD, VD)
+        r_n = tl.load(h_ptr + nrows, mask=nok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = tl.sum(w_c.to(tl.float32) * x[None, :], axis=1) + r_c
+        tl.store(h_ptr + rows, y.to(h_ptr.dtype.element_ty), mask=ok)
+        rows, ok, w_c, r_c = nrows, nok, w_n, r_n
+    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
+
+
+@triton.jit
+def _gate_up(h_ptr, act_ptr, w_l, nw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
+             q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
+             H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, T_PREV: tl.constexpr,
+             SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
+             STAMP: tl.constexpr, PDL: tl.constexpr):
+    """Operator 3: act[rows] = round(silu(Wg[rows] x) * (Wu[rows] x)), x = the post norm of h."""
+    HP: tl.constexpr = triton.next_power_of_2(H)
+    T: tl.constexpr = (I + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    offs = tl.arange(0, HP)
+    rows = pid * BN + tl.arange(0, BN)
+    ok = rows < I
+    wg_c = rows_load(w_l, rows, ok, offs, H, HP)
+    wu_c = rows_load(w_l + I * H, rows, ok, offs, H, HP)
+    nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
+    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    x = _rms_x(h_ptr, nw, offs, eps, H)
+    for i in range(n_mine):
+        nrows = rows + G * BN
+        nok = nrows < I
+        wg_n = rows_load(w_l, nrows, nok, offs, H, HP)
+        wu_n = rows_load(w_l + I * H, nrows, nok, offs, H, HP)
+        g = tl.sum(wg_c.to(tl.float32) * x[None, :], axis=1)
+        u = tl.sum(wu_c.to(tl.float32) * x[None, :], axis=1)
+        tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty), mask=ok)
+        rows, ok, wg_c, wu_c = nrows, nok, wg_n, wu_n
+    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
+
+
+@triton.jit
+def _down(h_ptr, act_ptr, w_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
+          q, base, pid, G, stall_op, stall_ns, timeout_ns, n_stamp,
+          H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, T_PREV: tl.constexpr,
+          SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
+          STAMP: tl.constexpr, PDL: tl.constexpr):
+    """Operator 4: h[rows] += Wd[rows] @ act (residual rows read before the wait: the out_proj
+    that wrote them is complete once the gate|up started)."""
+    IP: tl.constexpr = triton.next_power_of_2(I)
+    T: tl.constexpr = (H + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    offs = tl.arange(0, IP)
+    rows = pid * BN + tl.arange(0, BN)
+    ok = rows < H
+    w_c = rows_load(w_l, rows, ok, offs, I, IP)
+    r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
+    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    av = tl.load(act_ptr + offs, mask=offs < I, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for i in range(n_mine):
+        nrows = rows + G * BN
+        nok = nrows < H
+        w_n = rows_load(w_l, nrows, nok, offs, I, IP)
+        r_n = tl.load(h_ptr + nrows, mask=nok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = tl.sum(w_c.to(tl.float32) * av[None, :], axis=1) + r_c
+        tl.store(h_ptr + rows, y.to(h_ptr.dtype.element_ty), mask=ok)
+        rows, ok, w_c, r_c = nrows, nok, w_n, r_n
+    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
+
+
+# ------------------------------------------------------------------------------------------
+# the chain kernel: persistent (PHASE -1) or one operator per launch (PHASE 0..4)
+# ------------------------------------------------------------------------------------------
+
+# no value specialisation of the runtime scalars: one binary for every grid, weight set, layer
+# and stall setting
+@triton.jit(do_not_specialize=["n_layers", "layer0", "phase_layer", "G", "stall_op", "stall_ns",
+                               "timeout_ns", "n_stamp"])
+def _gdn_chain_kernel(h_ptr, proj_ptr, z_ptr, o_ptr, act_ptr,
+                      w_in_ptr, conv_w_ptr, alog_ptr, dtb_ptr, in_nw_ptr, g_nw_ptr, w_out_ptr,
+                      post_nw_ptr, w_gu_ptr, w_d_ptr, conv_ptr, rec_ptr,
+                      cnt_ptr, epoch_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
+                      n_layers, layer0, phase_layer, G, eps, q_scale, stall_op, stall_ns,
+                      timeout_ns, n_stamp,
+                      H: tl.constexpr, I: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
+                      BN_IN: tl.constexpr, BN_Z: tl.constexpr, BV: tl.constexpr,
+                      BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+                      PHASE: tl.constexpr, SPIN: tl.constexpr, STALL: tl.constexpr,
+                      STAMP: tl.constexpr, PDL: tl.constexpr):
+    # Weights and states are stacked per layer ([n_layers_total, ...]); this chain runs layers
+    # layer0 .. layer0 + n_layers - 1. Operator q = 5 l + k (k: OPS) of layer l; counter cnt[q]
+    # grows by T_k (operator k's tasks) per chain, and operator q waits for
+    # cnt[q - 1] >= chain number x T_(k-1). Activations: h [H] (residual stream, in place),
+    # proj [qkv conv out | b | a], z [Hv dv], o [Hv dv], act [I].
+    pid = tl.program_id(0)
+    PERSIST: tl.constexpr = PHASE == -1
+    KEY_DIM: tl.constexpr = HK * DK
+    CONV_DIM: tl.constexpr = 2 * KEY_DIM + HV * DV
+    N_IN: tl.constexpr = CONV_DIM + 2 * HV
+    VD: tl.constexpr = HV * DV
+    T_IN: tl.constexpr = (N_IN + BN_IN - 1) // BN_IN
+    T_1: tl.constexpr = HV * ((DV + BV - 1) // BV) + (VD + BN_Z - 1) // BN_Z
+    T_O: tl.constexpr = (H + BN_O - 1) // BN_O
+    T_GU: tl.constexpr = (I + BN_GU - 1) // BN_GU
+    T_D: tl.constexpr = (H + BN_D - 1) // BN_D
+    HP: tl.constexpr = triton.next_power_of_2(H)
+    if PERSIST:
+        l_lo = 0
+        l_hi = n_layers
+        base = tl.load(epoch_ptr + pid) + 1               # this chain's counter multiple
+        if STAMP:
+            tl.store(stamp_ptr + pid * n_stamp, globaltimer())
+    else:
+        l_lo = phase_layer
+        l_hi = phase_layer + 1
+        base = 1
+    for l in range(l_lo, l_hi):
+        L = (layer0 + l).to(tl.int64)
+        q0 = N_OPS_K * l
+        if PERSIST or PHASE == 0:
+            x = _in_proj(h_ptr, proj_ptr, w_in_ptr + L * ((N_IN + VD) * H), in_nw_ptr + L * H,
+                         conv_w_ptr + L * (CONV_DIM * KW), conv_ptr + L * (CONV_DIM * (KW - 1)),
+                         cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0, base, pid, G, eps,
+                         stall_op, stall_ns, timeout_ns, n_stamp, H, N_IN, CONV_DIM, KW, BN_IN,
+                         T_D, SPIN, PERSIST, STALL, STAMP, PDL)
+        if PERSIST or PHASE == 1:
+            if PHASE == 1:
+                # its own launch: the normed layer input again (h is final: its writer is two
+                # launches back, complete under PDL mode 1)
+                offs_h = tl.arange(0, HP)
+                nw = tl.load(in_nw_ptr + L * H + offs_h, mask=offs_h < H,
+                             other=0.0).to(tl.float32)
+                x = _rms_x(h_ptr, nw, offs_h, eps, H)
+            _core_z(x, proj_ptr, z_ptr, o_ptr, w_in_ptr + L * ((N_IN + VD) * H) + N_IN * H,
+                    rec_ptr + L * (HV * DK * DV), alog_ptr + L * HV, dtb_ptr + L * HV,
+                    cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 1, base, pid, G, q_scale,
+                    stall_op, stall_ns, timeout_ns, n_stamp, H, HK, HV, DK, DV, BV, BN_Z, T_IN,
+                    SPIN, PERSIST, STALL, STAMP, PDL)
+        if PERSIST or PHASE == 2:
+            _out_proj(h_ptr, z_ptr, o_ptr, w_out_ptr + L * (H * VD), g_nw_ptr + L * DV,
+                      cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 2, base, pid, G, eps,
+                      stall_op, stall_ns, timeout_ns, n_stamp, H, HV, DV, BN_O, T_1, SPIN,
+                      PERSIST, STALL, STAMP, PDL)
+        if PERSIST or PHASE == 3:
+            _gate_up(h_ptr, act_ptr, w_gu_ptr + L * (2 * I * H), post_nw_ptr + L * H,
+                     cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 3, base, pid, G, eps,
+                     stall_op, stall_ns, timeout_ns, n_stamp, H, I, BN_GU, T_O, SPIN, PERSIST,
+                     STALL, STAMP, PDL)
+        if PERSIST or PHASE == 4:
+            _down(h_ptr, act_ptr, w_d_ptr + L * (H * I), cnt_ptr, err_ptr, stamp_ptr,
+                  stall_rec_ptr, q0 + 4, base, pid, G, stall_op, stall_ns, timeout_ns, n_stamp,
+                  H, I, BN_D, T_GU, SPIN, PERSIST, STALL, STAMP, PDL)
+    if PERSIST:
+        tl.store(epoch_ptr + pid, base)
+
+
+
+# ------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 1024
+    inter: int = 3584
+    k_heads: int = 16
+    v_heads: int = 16
+    dk: int = 128
+    dv: int = 128
+    taps: int = 4
+
+    @property
+    def conv_dim(self):
+        return 2 * self.k_heads * self.dk + self.v_heads * self.dv
+
+    @property
+    def n_in(self):                 # rows of the in_proj GEMV: [qkv | b | a]
+        return self.conv_dim + 2 * self.v_heads
+
+    @property
+    def vd(self):                   # Hv x dv: z, o
+        return self.v_heads * self.dv
+
+
+TINY = Shape(hidden=64, inter=96, k_heads=2, v_heads=2, dk=16, dv=16, taps=4)
+
+
+@dataclass
+class Variant:
+    name: str
+    mode: str                   # baseline | phase | persist
+    ppsm: int = 0               # programs per SM (0: --ppsm)
+    spin: int = 0               # 0 acquire atomic, 1 volatile load
+    pdl: int = 1                # phase mode: PDL between the launches
+    what: str = ""
+
+
+VARIANTS = [
+    Variant("baseline", "baseline",
+            what="today's engine: DecodeStep.gated_deltanet + mlp, engine plans, PDL"),
+    Variant("phase", "phase",
+            what="this kernel, one launch per operator on the persistent grid, PDL"),
+    Variant("persist", "persist",
+            what="persistent, counters, next tiles in registers, first tile before each wait"),
+    Variant("persist_x1", "persist", ppsm=1, what="as persist, 1 program per SM"),
+    Variant("persist_x3", "persist", ppsm=3, what="as persist, 3 programs per SM"),
+    Variant("persist_vol", "persist", spin=1, what="as persist, spin on a volatile load"),
+]
+DEFAULT_VARIANTS = "baseline,phase,persist,persist_x1"
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def resolve_tiles(args, shape: Shape):
+    """Rows per task from the engine's plans (kernels.gemv.plan: block_n of in_proj, out_proj,
+    gate|up, down; z rows = the in_proj's), the core's V-tile from the decode table's gdn_core
+    entry (kernels.gdn_decode.default_block_v without one), halved until they fit the shape;
+    4 warps (the MLP plans'), programs per SM = the down plan's persistent count (2 without).
+    Fills the options left at 0; returns the plans."""
+    from tritonchat.kernels import gemv as Gm
+    from tritonchat.kernels._common import decode_table
+    from tritonchat.kernels.gdn_decode import default_block_v
+    s = shape
+    plans = dict(
+        in_proj=Gm.plan(s.n_in, s.hidden, "rms", "conv"),
+        out_proj=Gm.plan(s.hidden, s.vd, "gated", "residual", s.dv),
+        gate_up=Gm.plan(s.inter, s.hidden, "rms", "silu_mul"),
+        down=Gm.plan(s.hidden, s.inter, "none", "residual"))
+    core = decode_table().get(f"gdn_core:{s.v_heads}x{s.dk}x{s.dv}") or {}
+    plans["core"] = dict(block_v=int(core.get("block_v", default_block_v(s.dv, s.v_heads))))
+
+    def rows(bn, n):
+        bn = max(1, min(int(bn), next_pow2(n)))
+        return bn
+    if not args.bn_in:
+        args.bn_in = rows(plans["in_proj"]["block_n"], s.n_in)
+    if not args.bn_z:
+        args.bn_z = rows(args.bn_in, s.vd)
+    if not args.bn_out:
+        args.bn_out = rows(plans["out_proj"]["block_n"], s.hidden)
+    if not args.bn_gu:
+        args.bn_gu = rows(plans["gate_up"]["block_n"], s.inter)
+    if not args.bn_d:
+        args.bn_d = rows(plans["down"]["block_n"], s.hidden)
+    if not args.bv:
+        args.bv = min(next_pow2(s.dv), plans["core"]["block_v"])
+    if not args.num_warps:
+        args.num_warps = int(plans["gate_up"]["num_warps"])
+    if not args.ppsm:
+        args.ppsm = int(plans["down"].get("persistent", 0)) or 2
+    for name in ("bn_in", "bn_z", "bn_out", "bn_gu", "bn_d", "bv"):
+        v = getattr(args, name)
+        if v < 1 or v & (v - 1):
+            raise SystemExit(f"--{name.replace('_', '-')} must be a power of two, got {v}")
+    return plans
+
+
+class GdnChain:
+    """n_sets independent copies of n_layers GDN layers (weights and states), so that successive
+    timed chains read HBM, not L2; the initial states and h, for reset(); the activations of the
+    persistent kernel. The baseline's DecodeStep gets views of the same tensors."""
+
+    def __init__(self, shape: Shape, n_layers, n_sets, dtype, device, seed=0, eps=1e-6):
+        s = self.s = shape
+        if s.v_heads % s.k_heads or s.v_heads & (s.v_heads - 1) or s.dv & (s.dv - 1):
+            raise SystemExit("value heads must be a power-of-two multiple of the key heads, and "
+                             "dv a power of two (the gated norm's [Hv, dv] tile)")
+        self.L, self.S, self.dtype, self.eps = n_layers, n_sets, dtype, eps
+        self.device = torch.device(device)
+        dev = self.device
+        nl = n_layers * n_sets
+        H, I, C, Hv = s.hidden, s.inter, s.conv_dim, s.v_heads
+        g = torch.Generator(device="cpu").manual_seed(seed)
+
+        def rnd(*shp, scale, shift=0.0, dt=dtype):
+            return (torch.randn(*shp, generator=g) * scale + shift).to(dt)
+
+        e = lambda *shp, dt=dtype: torch.empty(*shp, dtype=dt, device=dev)  # noqa: E731
+        self.w_in = e(nl, s.n_in + s.vd, H)     # the engine's merged in_proj: qkv | b | a | z
+        self.conv_w = e(nl, C, s.taps)
+        self.a_log = e(nl, Hv, dt=torch.float32)
+        self.dt_bias = e(nl, Hv)
+        self.in_nw = e(nl, H)
+        self.g_nw = e(nl, s.dv, dt=torch.float32)
+        self.w_out = e(nl, H, s.vd)
+        self.post_nw = e(nl, H)
+        self.w_gu = e(nl, 2 * I, H)
+        self.w_d = e(nl, H, I)
+        self.conv0 = e(nl, C, s.taps - 1)
+        self.rec0 = e(nl, Hv, s.dk, s.dv, dt=torch.float32)
+        for i in range(nl):
+            self.w_in[i].copy_(rnd(s.n_in + s.vd, H, scale=H ** -0.5))
+            self.conv_w[i].copy_(rnd(C, s.taps, scale=s.taps ** -0.5))
+            self.a_log[i].copy_(torch.log(torch.rand(Hv, generator=g) * 15 + 1))
+            self.dt_bias[i].copy_(rnd(Hv, scale=0.5, shift=1.0))
+            self.in_nw[i].copy_(rnd(H, scale=0.1))
+            self.g_nw[i].copy_(rnd(s.dv, scale=0.1, shift=1.0, dt=torch.float32))
+            self.w_out[i].copy_(rnd(H, s.vd, scale=s.vd ** -0.5))
+            self.post_nw[i].copy_(rnd(H, scale=0.1))
+            self.w_gu[i].copy_(rnd(2 * I, H, scale=H ** -0.5))
+            self.w_d[i].copy_(rnd(H, I, scale=I ** -0.5))
+            self.conv0[i].copy_(rnd(C, s.taps - 1, scale=1.0))
+            self.rec0[i].copy_(rnd(Hv, s.dk, s.dv, scale=0.05, dt=torch.float32))
+        self.h0 = rnd(H, scale=1.0).to(dev)
+        self.h = self.h0.clone()
+        self.conv = self.conv0.clone()
+        self.rec = self.rec0.clone()
+        z = lambda n: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
+        self.proj, self.z, self.o, self.act = z(s.n_in), z(s.vd), z(s.vd), z(I)
+
+    def reset(self):
+        self.h.copy_(self.h0)
+        self.conv.copy_(self.conv0)
+        self.rec.copy_(self.rec0)
+
+    def layers(self, s):
+        return range(s * self.L, (s + 1) * self.L)
+
+    def result(self, s):
+        """What a chain on set s produced: (h, conv states, recurrent states) of its layers."""
+        sl = slice(s * self.L, (s + 1) * self.L)
+        return self.h.clone(), self.conv[sl].clone(), self.rec[sl].clone()
+
+    def reference(self, s=0):
+        """The chain on set s from the initial h and states in PyTorch fp32
+        (kernels/reference.py; rounded to the activation dtype where the kernels round):
+        (h, conv states, recurrent states)."""
+        from tritonchat.kernels import reference as R
+        sh, eps = self.s, self.eps
+        C, n_in = sh.conv_dim, sh.n_in
+        h = self.h0.clone()
+        convs, recs = [], []
+        for l in self.layers(s):
+            W = self.w_in[l]
+            y, conv = R.gemv_ref(h, W[:n_in], norm_w=self.in_nw[l], eps=eps,
+                                 conv_state=self.conv0[l], conv_w=self.conv_w[l])
+            z, _ = R.gemv_ref(h, W[n_in:], norm_w=self.in_nw[l], eps=eps)
+            proj = torch.cat([y[:C], z, y[C:]])          # gdn_decode_ref's [x | z | b | a]
+            o, S = R.gdn_decode_ref(proj, self.a_log[l], self.dt_bias[l], self.rec0[l],
+                                    num_k_heads=sh.k_heads, num_v_heads=sh.v_heads,
+                                    head_k_dim=sh.dk, head_v_dim=sh.dv)
+            h, _ = R.gemv_ref(o, self.w_out[l], norm_w=self.g_nw[l], gate=z, head_dim=sh.dv,
+                              eps=eps, residual=h)
+            a, _ = R.gemv_ref(h, self.w_gu[l], norm_w=self.post_nw[l], eps=eps, silu_mul=True)
+            h, _ = R.gemv_ref(a, self.w_d[l], residual=h)
+            convs.append(conv)
+            recs.append(S)
+        return h, torch.stack(convs), torch.stack(recs)
+
+
+def chain_bytes(s: Shape, n_layers, dtype):
+    """(weight bytes, state bytes) one chain moves: every weight once (A_log and the gated
+    norm's weight in fp32, as the checkpoint stores them); the recurrent and the conv states
+    read and written."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    w = ((s.n_in + s.vd) * s.hidden + s.conv_dim * s.taps + s.v_heads + 2 * s.hidden
+         + s.hidden * s.vd + 3 * s.inter * s.hidden) * esz + (s.v_heads + s.dv) * 4
+    st = 2 * s.v_heads * s.dk * s.dv * 4 + 2 * s.conv_dim * (s.taps - 1) * esz
+    return n_layers * w, n_layers * st
+
+
+def chain_errors(got, ref):
+    """Relative max errors of (h, conv states, recurrent states) against ref's."""
+    return {k: float(f"{rel_err(a, b):.3g}")          # 3 digits: the JSON keeps small ones
+            for k, a, b in zip(("h", "conv", "rec"), got, ref)}
+
+
+class Runner:
+    """Launches one chain of a variant on weight set s: run(s)."""
+
+    def __init__(self, chain: GdnChain, v: Variant, args):
+        self.c, self.v, self.args = chain, v, args
+        self.nl = chain.L
+        dev = chain.device
+        self.is_cuda = dev.type == "cuda"
+        self.stall_op, self.stall_ns = -1, 0
+        self.timer = None
+        if v.mode == "baseline":
+            self._init_baseline()
+            return
+        self.ppsm = v.ppsm or args.ppsm
+        if self.is_cuda:
+            self.G = torch.cuda.get_device_properties(dev).multi_processor_count * self.ppsm
+        elif v.mode == "persist":
+            # the interpreter runs programs one after another: a single program is the only
+            # persistent grid that cannot deadlock there (it satisfies its own waits)
+            self.G = 1
+        else:
+            self.G = args.cpu_programs
+        n_ops = N_OPS * self.nl
+        self.n_stamp = n_ops + 1
+        self.cnt = torch.zeros(n_ops + 1, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.stamps = torch.zeros(self.G, self.n_stamp, dtype=torch.int64, device=dev)
+        self.stall_rec = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.meta = kernel_meta(args, chain.s)
+        self.meta["SPIN"] = v.spin
+        self.pdl = bool(v.pdl and v.mode == "phase" and self.is_cuda and not INTERPRET
+                        and torch.cuda.get_device_capability(dev)[0] >= 9)
+        self.timeout_ns = int(args.spin_timeout_ms * 1e6)
+
+    # -------------------------------------------------------------------- baseline ----
+    def _init_baseline(self):
+        """A real DecodeStep over the chain's layers (all n_sets x L of them, GDN), built as the
+        backend builds it (split-K, context ranges and PDL as the engine's defaults); run()
+        calls its gated_deltanet(i, layer) and mlp(layer)."""
+        from tritonchat.engine.config import LINEAR_ATTENTION, TextConfig
+        from tritonchat.engine.decode_step import (DecodeStep, GdnWeights, KernelTimer,
+                                                   LayerWeights, StepIO)
+        from tritonchat.engine.reference import ModelState
+        from tritonchat.kernels import sampling as Smp
+        from tritonchat.kernels._common import pdl_mode, sm_count
+        c, s, dev = self.c, self.c.s, self.c.device
+        nl = c.L * c.S
+        vocab = 256
+        tiny = s.hidden < 256
+        cfg = TextConfig(hidden_size=s.hidden, intermediate_size=s.inter, num_hidden_layers=nl,
+                         layer_types=(LINEAR_ATTENTION,) * nl, vocab_size=vocab,
+                         rms_norm_eps=c.eps, tie_word_embeddings=True,
+                         num_attention_heads=4 if tiny else 8, num_key_value_heads=2,
+                         head_dim=32 if tiny else 256, rope_theta=1e7, partial_rotary_factor=0.25,
+                         linear_num_key_heads=s.k_heads, linear_num_value_heads=s.v_heads,
+                         linear_key_head_dim=s.dk, linear_value_head_dim=s.dv,
+                         linear_conv_kernel_dim=s.taps)
+        layers = []
+        for i in range(nl):
+            W = c.w_in[i]
+            mixer = GdnWeights(W, W[:s.n_in], W[s.n_in:], c.conv_w[i], c.a_log[i], c.dt_bias[i],
+                               c.g_nw[i], c.w_out[i])
+            layers.append(LayerWeights(LINEAR_ATTENTION, c.in_nw[i], c.post_nw[i], c.w_gu[i],
+                                       c.w_d[i], mixer))
+        state = ModelState(cfg, 16, dev, c.dtype)
+        state.rec_buf = c.rec                       # the chain's states, as the step's
+        state.conv = {i: c.conv[i] for i in range(nl)}
+        state.rec = {i: c.rec[i] for i in range(nl)}
+        zt = lambda *shp, dt=c.dtype: torch.zeros(*shp, device=dev, dtype=dt)  # noqa: E731
+        io = StepIO(tok=zt(1, dt=torch.int64), pos=zt(1, dt=torch.int32),
+                    tok_ring=zt(8, dt=torch.int64), h=c.h, logits=zt(vocab, dt=torch.float32),
+                    counts=zt(2, vocab, dt=torch.int32), rng_state=zt(2, dt=torch.int64),
+                    sampler_params=zt(Smp.NUM_PARAMS, dt=torch.float32))
+        embed = zt(vocab, s.hidden)
+        self.step = DecodeStep(cfg, layers, embed, embed, zt(s.hidden), io, state,
+                               max_context=64, valid_vocab=vocab, split_k=True,
+                               context_ranges=True, pdl=pdl_mode(True, False, dev),
+                               sm_count=sm_count(dev))
+        self.layers = layers
+        self.KernelTimer = KernelTimer
+
+    # ------------------------------------------------------------------------ launch ----
+    def _launch(self, s, phase, layer):
+        c, s_ = self.c, self.c.s
+        kw = dict(self.meta)
+        if self.pdl:
+            kw["launch_pdl"] = True
+        _gdn_chain_kernel[(self.G,)](
+            c.h, c.proj, c.z, c.o, c.act, c.w_in, c.conv_w, c.a_log, c.dt_bias, c.in_nw, c.g_nw,
+            c.w_out, c.post_nw, c.w_gu, c.w_d, c.conv, c.rec,
+            self.cnt, self.epoch, self.err, self.stamps, self.stall_rec,
+            self.nl, s * c.L, layer, self.G, c.eps, float(s_.dk) ** -0.5, self.stall_op,
+            self.stall_ns, self.timeout_ns, self.n_stamp,
+            PHASE=phase, PDL=1 if self.pdl else 0, **kw)
+
+    def run(self, s=0):
+        v, c = self.v, self.c
+        if v.mode == "baseline":
+            step = self.step
+            for i in c.layers(s):
+                step.gated_deltanet(i, self.layers[i])
+                step.mlp(self.layers[i])
+        elif v.mode == "phase":
+            for l in range(self.nl):
+                for ph in range(N_OPS):
+                    self._launch(s, ph, l)
+        else:
+            self._launch(s, -1, 0)
+
+    def check_occupancy(self):
+        """Compile without launching and check that the grid fits on the GPU at once (a
+        persistent grid that is not co-resident deadlocks; the spin timeout is the last guard).
+        Returns a dict (regs, spills, shared, programs_per_sm_max); raises if it cannot fit."""
+        if not self.is_cuda or self.v.mode != "persist":
+            return None
+        c = self.c
+        info = dict(grid=self.G, programs_per_sm=self.ppsm)
+        try:
+            k = _gdn_chain_kernel.warmup(
+                c.h, c.proj, c.z, c.o, c.act, c.w_in, c.conv_w, c.a_log, c.dt_bias, c.in_nw,
+                c.g_nw, c.w_out, c.post_nw, c.w_gu, c.w_d, c.conv, c.rec,
+                self.cnt, self.epoch, self.err, self.stamps, self.stall_rec,
+                self.nl, 0, 0, self.G, c.eps, 1.0, -1, 0, self.timeout_ns, self.n_stamp,
+                PHASE=-1, PDL=0, grid=(self.G,), **self.meta)
+            occ = programs_per_sm(k, self.meta["num_warps"], c.device)
+        except Exception as e:               # fall back on the spin timeout alone
+            info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
+            return info
+        info.update(occ)
+        if occ["programs_per_sm_max"] < self.ppsm:
+            raise RuntimeError(f"grid not co-resident: {self.ppsm} programs/SM asked, "
+                               f"{occ['programs_per_sm_max']} fit (regs {occ['regs']}, shared "
+                               f"{occ['shared']} B, {self.meta['num_warps']} warps)")
+        return info
+
+    def errored(self):
+        return self.v.mode != "baseline" and int(self.err.item()) != 0
+
+    def op_times_us(self):
+        """Per operator of the last persistent chain: when its last task ended minus when the
+        previous operator's last task ended (the first: minus the earliest program start), us,
+        from the programs' %globaltimer stamps."""
+        st = self.stamps.double()
+        ends = st[:, 1:].max(dim=0).values
+        prev = torch.cat([st[:, :1].min(dim=0).values, ends[:-1]])
+        return [float(x) / 1e3 for x in (ends - prev).tolist()]
+
+
+def kernel_meta(args, s: Shape):
+    return dict(H=s.hidden, I=s.inter, HK=s.k_heads, HV=s.v_heads, DK=s.dk, DV=s.dv, KW=s.taps,
+                BN_IN=args.bn_in, BN_Z=args.bn_z, BV=args.bv, BN_O=args.bn_out, BN_GU=args.bn_gu,
+                BN_D=args.bn_d, SPIN=0, STALL=not INTERPRET, STAMP=not INTERPRET,
+                num_warps=args.num_warps)
+
+
+# ------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------
+
+def engine_op_times(runner: Runner, n_sets, chains):
+    """The baseline's time per engine kernel: `chains` eager chains (sets in turn) with the
+    engine's own KernelTimer (CUDA events around each launch: no PDL overlap), us per chain
+    and per launch, by kernel name."""
+    step = runner.step
+    timer = runner.KernelTimer()
+    step.launch.timer = timer
+    try:
+        for k in range(chains):
+            runner.run(k % n_sets)
+            sync(runner.c.device)
+            timer.accumulate(timer.events)
+            timer.events = []
+    finally:
+        step.launch.timer = None
+    out = {}
+    for r in timer.rows() or []:
+        out[r["name"]] = dict(us_per_chain=r["us_per_token"],
+                              us_per_launch=r["us_per_token"] / r["launches_per_token"],
+                              launches=r["launches_per_token"], gb_s=r["gb_s"])
+    return out
+
+
+def measure_variant(v, chain, args, dev, ctx):
+    """Correctness, timing, stall cost (and per-operator times) of one variant; fills and returns
+    its result dict (raises on failure; the caller records the error)."""
+    r = ctx["out"][v.name]
+    runner = Runner(chain, v, args)
+    if v.mode != "baseline":
+        r["grid"] = runner.G
+    occ = runner.check_occupancy()
+    if occ:
+        r["occupancy"] = occ
+    # correctness: one chain on set 0 from the initial state, against the reference and the
+    # baseline; then once more for bit-repeatability (the counters carry over: epoch 2)
+    chain.reset()
+    runner.run(0)
+    sync(dev)
+    if runner.errored():
+        raise RuntimeError("spin timeout (deadlock guard fired): grid not co-resident or a "
+                           "counter never reached its target")
+    got = chain.result(0)
+    r["err_vs_ref"] = chain_errors(got, ctx["ref"])
+    if v.mode == "baseline":
+        ctx["base_out"] = got
+    elif ctx.get("base_out") is not None:
+        r["err_vs_baseline"] = chain_errors(got, ctx["base_out"])
+    r["correct"] = max(r["err_vs_ref"].values()) <= ctx["tol"] and (
+        "err_vs_baseline" not in r or max(r["err_vs_baseline"].values()) <= ctx["tol"])
+    chain.reset()
+    runner.run(0)
+    sync(dev)
+    again = chain.result(0)
+    r["repeatable"] = all(bool(torch.equal(a, b)) for a, b in zip(got, again))
+    if dev.type == "cpu":
+        t = time.perf_counter()
+        runner.run(0)
+        r["us_per_chain"] = (time.perf_counter() - t) * 1e6
+        return r
+    n_sets, reps = ctx["n_sets"], args.reps
+    fn, per, graphed = make_timed(runner, n_sets, reps, ctx["graph"])
+    r["graphed"] = graphed
+    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
+    r["us_per_chain"] = statistics.median(ts)
+    r["us_min"] = min(ts)
+    if runner.errored():
+        raise RuntimeError("spin timeout during timing")
+    if ctx["roof_us"]:
+        r["gb_s"] = ctx["chain_bytes"] / (r["us_per_chain"] * 1e3)
+        r["frac_roofline"] = ctx["roof_us"] / r["us_per_chain"]
+    if v.mode == "baseline":
+        if args.eager_chains:
+            r["ops"] = engine_op_times(runner, n_sets, args.eager_chains)
+        return r
+    if v.mode == "persist":
+        runner.run(0)                    # one eager chain: its per-operator stamps
+        sync(dev)
+        t = runner.op_times_us()
+        r["op_us"] = t
+        r["op_us_by_kind"] = {name: sum(t[k::N_OPS]) for k, name in enumerate(OPS)}
+    # stall injection: the same compiled kernel with stall 0 and stall_ns, alternated
+    if not args.no_stall and not INTERPRET:
+        fns = []
+        for ns in (0, args.stall_ns):
+            runner.stall_op, runner.stall_ns = ctx["stall_op"], ns
+            fns.append(make_timed(runner, n_sets, reps, ctx["graph"]))
+        runner.stall_op, runner.stall_ns = -1, 0
+        t0s, t1s = [], []
+        for _ in range(args.rounds):
+            t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
+            t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
+        r["stall_us_injected"] = int(runner.stall_rec[0].item()) / 1e3
+        r["stall_base_us"] = statistics.median(t0s)
+        r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
+        r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
+        if runner.errored():
+            raise RuntimeError("spin timeout during the stall runs")
+    return r
+
+
+# ------------------------------------------------------------------------------------------
+# offline compile (no GPU): ptxas register counts
+# ------------------------------------------------------------------------------------------
+
+def compile_only(args, shape, variants):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    dt = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[args.dtype]
+    sig = dict(h_ptr=dt, proj_ptr=dt, z_ptr=dt, o_ptr=dt, act_ptr=dt, w_in_ptr=dt,
+               conv_w_ptr=dt, alog_ptr="*fp32", dtb_ptr=dt, in_nw_ptr=dt, g_nw_ptr="*fp32",
+               w_out_ptr=dt, post_nw_ptr=dt, w_gu_ptr=dt, w_d_ptr=dt, conv_ptr=dt,
+               rec_ptr="*fp32", cnt_ptr="*i32", epoch_ptr="*i32", err_ptr="*i32",
+               stamp_ptr="*i64", stall_rec_ptr="*i64", n_layers="i32", layer0="i32",
+               phase_layer="i32", G="i32", eps="fp32", q_scale="fp32", stall_op="i32",
+               stall_ns="i64", timeout_ns="i64", n_stamp="i32")
+    out = {}
+    phases = sorted({ph for v in variants if v.mode != "baseline"
+                     for ph in ((-1,) if v.mode == "persist" else range(N_OPS))})
+    for ph in phases:
+        meta = kernel_meta(args, shape)
+        nwarps = meta.pop("num_warps")
+        meta.update(STALL=True, STAMP=True, PHASE=ph, PDL=0 if ph == -1 else 1)
+        s = dict(sig)
+        s.update({k: "constexpr" for k in meta})
+        key = "persist" if ph == -1 else f"phase/{OPS[ph]}"
+        t0 = time.time()
+        try:
+            # pointers 16-byte aligned, as a real launch specialises them (vector loads)
+            attrs = {(i,): [["tt.divisibility", 16]]
+                     for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+            k = triton.compile(ASTSource(fn=_gdn_chain_kernel, signature=s, constexprs=meta,
+                                         attrs=attrs),
+                               target=GPUTarget("cuda", 90, 64), options=dict(num_warps=nwarps))
+            ptx = k.asm["ptx"]
+            info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
+                        acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
+                        globaltimer=ptx.count("%globaltimer"), shared=int(k.metadata.shared))
+            info.update(ptxas_regs(ptx))
+            if info.get("regs"):
+                info["programs_per_sm_by_regs"] = 65536 // (cdiv(info["regs"] * 32, 256) * 256
+                                                             * nwarps)
+        except Exception as e:
+            info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+        out[key] = info
+        print(key, json.dumps(info), flush=True)
+    print(json.dumps({"compile_only": out}))
+    return 0 if all(i.get("ok") for i in out.values()) else 1
+
+
+# ------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--iters", type=int, default=30, help="graph replays per timing round")
+    p.add_argument("--reps", type=int, default=8, help="chains per graph (per replay)")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
+    p.add_argument("--eager-chains", type=int, default=20,
+                   help="eager baseline chains for the per-kernel event table (0: none)")
+    p.add_argument("--variant", default=DEFAULT_VARIANTS,
+                   help=f"comma list from: {', '.join(BY_NAME)}")
+    p.add_argument("--all", action="store_true", help="every variant")
+    p.add_argument("--phase", action="store_true",
+                   help="only the variants without spinning (baseline, phase) and the persistent "
+                        "one as a single program: what the interpreter can run")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tiny", action="store_true",
+                   help="hidden 64, inter 96, 2 + 2 heads of 16 (the CPU tests' shape)")
+    for name, default in asdict(Shape()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"default {default} (tiny: {getattr(TINY, name)})")
+    p.add_argument("--sets", type=int, default=0,
+                   help="weight copies cycled through (0: enough for ~4x the L2 size)")
+    p.add_argument("--bn-in", type=int, default=0, help="in_proj rows per task (0: its plan's)")
+    p.add_argument("--bn-z", type=int, default=0, help="z rows per task (0: --bn-in)")
+    p.add_argument("--bv", type=int, default=0, help="core value columns per task (0: plan)")
+    p.add_argument("--bn-out", type=int, default=0, help="out_proj rows per task (0: plan)")
+    p.add_argument("--bn-gu", type=int, default=0, help="gate (and up) rows per task (0: plan)")
+    p.add_argument("--bn-d", type=int, default=0, help="down rows per task (0: plan)")
+    p.add_argument("--num-warps", type=int, default=0, help="0: the gate_up plan's")
+    p.add_argument("--ppsm", type=int, default=0,
+                   help="programs per SM where a variant names none (0: the down plan's)")
+    p.add_argument("--stall-ns", type=int, default=1000)
+    p.add_argument("--stall-op", type=int, default=-1,
+                   help="operator index that stalls (default: the middle layer's GDN core)")
+    p.add_argument("--no-stall", action="store_true")
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--spin-timeout-ms", type=float, default=50.0)
+    p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
+    p.add_argument("--cpu-programs", type=int, default=3,
+                   help="grid of the phase mode under the interpreter")
+    p.add_argument("--deadline-s", type=float, default=170.0,
+                   help="watchdog: past this, print what was measured (JSON, partial) and "
+                        "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
+    p.add_argument("--compile-only", action="store_true",
+                   help="offline sm_90 compile of the kernel (no GPU), ptxas registers")
+    args = p.parse_args(argv)
+    base = TINY if args.tiny else Shape()
+    args.shape = Shape(**{k: (getattr(args, k) if getattr(args, k) is not None else d)
+                          for k, d in asdict(base).items()})
+    return args
+
+
+def select(args):
+    names = list(BY_NAME) if args.all else [n.strip() for n in args.variant.split(",") if n.strip()]
+    bad = [n for n in names if n not in BY_NAME]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; choose from {list(BY_NAME)}")
+    vs = [BY_NAME[n] for n in names]
+    if args.phase or INTERPRET:
+        # the interpreter runs the persistent kernel as one program (its own waits satisfied);
+        # the persistent variants differ only in grid and spin there: one of them
+        keep, seen = [], False
+        for v in vs:
+            if v.mode == "persist":
+                if seen:
+                    continue
+                seen = True
+                v = Variant(**dict(asdict(v), what=v.what + " [one program]"))
+            keep.append(v)
+        vs = keep
+    return vs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    shape = args.shape
+    plans = resolve_tiles(args, shape)
+    variants = select(args)
+    if args.compile_only:
+        return compile_only(args, shape, variants)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; use --device cpu --tiny --phase under TRITON_INTERPRET=1")
+    if dev.type == "cpu" and not INTERPRET:
+        raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
+    dtype = getattr(torch, args.dtype)
+    t_start = time.time()
+    res = dict(device=str(dev), dtype=args.dtype, layers=args.layers, shape=asdict(shape),
+               triton=triton.__version__, torch=torch.__version__,
+               tiles=dict(bn_in=args.bn_in, bn_z=args.bn_z, bv=args.bv, bn_out=args.bn_out,
+                          bn_gu=args.bn_gu, bn_d=args.bn_d, num_warps=args.num_warps,
+                          ppsm=args.ppsm),
+               engine_plans=plans)
+    print(f"# task rows from the engine's plans: in_proj {args.bn_in}, z {args.bn_z}, core V-tile "
+          f"{args.bv}, out_proj {args.bn_out}, gate_up {args.bn_gu}+{args.bn_gu}, down "
+          f"{args.bn_d}; {args.num_warps} warps; persistent grid SMs x {args.ppsm}", flush=True)
+    l2 = 50 << 20
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        l2 = int(getattr(props, "L2_cache_size", l2) or l2)
+        res.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=l2)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    wb, sb = chain_bytes(shape, args.layers, dtype)
+    n_sets = args.sets or (max(1, min(8, cdiv(4 * l2, wb + sb))) if dev.type == "cuda" else 2)
+    print(f"# building {args.layers} GDN layers x {n_sets} weight sets, {shape} {args.dtype} on "
+          f"{dev}", flush=True)
+    chain = GdnChain(shape, args.layers, n_sets, dtype, dev)
+    res.update(weight_sets=n_sets, chain_weight_bytes=wb, chain_state_bytes=sb,
+               chain_bytes=wb + sb)
+    out = {}
+    res["variants"] = out
+    watchdog = None
+    if args.deadline_s > 0:
+        watchdog = start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
+    try:
+        return _run_variants(args, variants, dev, chain, res, out, n_sets, t_start)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
+    bw = None
+    if dev.type == "cuda":
+        try:
+            from tritonchat.kernels.bandwidth import read_rates_gb_s
+            rates = read_rates_gb_s(int(args.bw_bytes), dev)
+            bw = max(rates.values())
+            res["hbm_read_gb_s"] = {k: round(v, 1) for k, v in rates.items()}
+        except Exception as e:
+            print(f"# bandwidth measurement failed: {e}", flush=True)
+    chain_bytes = res["chain_bytes"]
+    roof_us = chain_bytes / (bw * 1e3) if bw else None
+    res["hbm_gb_s"] = round(bw, 1) if bw else None
+    res["roofline_us"] = round(roof_us, 3) if roof_us else None
+    if bw:
+        print(f"# HBM read {bw:.0f} GB/s; {chain_bytes / 1e6:.2f} MB a chain "
+              f"({res['chain_weight_bytes'] / 1e6:.2f} weights + {res['chain_state_bytes'] / 1e6:.2f}"
+              f" states); roofline {roof_us:.2f} us a chain", flush=True)
+    stall_op = args.stall_op if args.stall_op >= 0 else N_OPS * (args.layers // 2) + 1
+    res["stall_op"] = stall_op
+    res["stall_op_name"] = f"layer {stall_op // N_OPS} {OPS[stall_op % N_OPS]}"
+    ctx = dict(out=out, ref=chain.reference(0), stall_op=stall_op, n_sets=n_sets,
+               tol=dict(bfloat16=3e-2, float16=5e-3, float32=1e-4)[args.dtype],
+               graph=not args.no_graph and dev.type == "cuda", roof_us=roof_us,
+               chain_bytes=chain_bytes)
+    for v in variants:
+        r = dict(what=v.what, mode=v.mode)
+        out[v.name] = r
+        t_v = time.time()
+        try:
+            measure_variant(v, chain, args, dev, ctx)
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {e}"[:1500]
+            r["traceback"] = traceback.format_exc()[-1500:]
+            print(f"# {v.name} FAILED: {r['error']}", flush=True)
+            if dev.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e2:       # a dead context: later variants cannot run
+                    print(f"# CUDA context lost ({e2}); stopping", flush=True)
+                    r["seconds"] = round(time.time() - t_v, 1)
+                    break
+        r["seconds"] = round(time.time() - t_v, 1)
+        print("# " + _row(v.name, r), flush=True)
+    _report(args, res, out, chain_bytes, roof_us, bw, stall_op, t_start)
+    return 0
+
+
+def _report(args, res, out, chain_bytes, roof_us, bw, stall_op, t_start):
+    print()
+    print(f"{'variant':<12} {'us/chain':>9} {'GB/s':>7} {'%roof':>6} {'stall+us':>8} "
+          f"{'err_ref':>8} {'err_base':>8} {'ok':>3}  what")
+    for name, r in out.items():
+        print(_row(name, r))
+    if roof_us:
+        print(f"roofline {roof_us:.2f} us/chain = {chain_bytes / 1e6:.2f} MB at {bw:.0f} GB/s "
+              f"(weights + recurrent states read and written + conv states); stall: "
+              f"{args.stall_ns} ns in one task of operator {stall_op} ({res['stall_op_name']})")
+    # per operator: the engine's kernels (events, eager) beside the persistent kernel's stamps
+    base_ops = out.get("baseline", {}).get("ops")
+    pers = [(n, r) for n, r in out.items() if "op_us_by_kind" in r]
+    if base_ops or pers:
+        print()
+        head = f"{'operator (x' + str(args.layers) + ' layers)':<24} {'engine kernel':<30} " \
+               f"{'eager us':>9} {'us/launch':>9} {'GB/s':>6}"
+        for n, _ in pers:
+            head += f" {n + ' us':>14}"
+        print(head)
+        for k, op in enumerate(OPS):
+            e = (base_ops or {}).get(ENGINE_NAMES[k], {})
+            line = (f"{op:<24} {ENGINE_NAMES[k]:<30} {e.get('us_per_chain', float('nan')):9.2f} "
+                    f"{e.get('us_per_launch', float('nan')):9.2f} {e.get('gb_s', float('nan')):6.0f}")
+            for _, r in pers:
+                line += f" {r['op_us_by_kind'][op]:14.2f}"
+            print(line)
+        if base_ops:
+            tot = sum(e["us_per_chain"] for e in base_ops.values())
+            line = f"{'sum':<24} {'(no PDL overlap)':<30} {tot:9.2f} {'':>9} {'':>6}"
+            for _, r in pers:
+                line += f" {sum(r['op_us']):14.2f}"
+            print(line)
+    best = None
+    for name, r in out.items():
+        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
+            if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
+                best = name
+    verdict = None
+    if best:
+        b = out[best]
+        verdict = dict(best_persistent=best, frac_roofline=b["frac_roofline"],
+                       stall_cost_us=b.get("stall_cost_us"),
+                       pass_roofline=b["frac_roofline"] >= 0.85,
+                       pass_stall=(b.get("stall_cost_us") is not None
+                                   and b["stall_cost_us"] < 0.2))
+        base = out.get("baseline", {})
+        if base.get("us_per_chain"):
+            verdict["baseline_frac_roofline"] = base.get("frac_roofline")
+            verdict["speedup_vs_baseline"] = base["us_per_chain"] / b["us_per_chain"]
+        print(f"\nbest persistent: {best} at {100 * b['frac_roofline']:.1f}% of the roofline "
+              f"(target 85%), stall cost {b.get('stall_cost_us')} us (target < 0.2)")
+    res.update(variants=out, verdict=verdict, seconds=round(time.time() - t_start, 1))
+    print(json.dumps(round_floats(res)))
+
+
+def _row(name, r):
+    def f(k, fmt):
+        v = r.get(k)
+        width = int(fmt.split(".")[0])
+        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+    ok = "ERR" if "error" in r else ("yes" if r.get("correct") else "no")
+
+    def worst(k):
+        v = r.get(k)
+        return format(max(v.values()), "8.1e") if isinstance(v, dict) else "-".rjust(8)
+    pct = r.get("frac_roofline")
+    pct = format(100 * pct, "6.1f") if isinstance(pct, float) else "-".rjust(6)
+    return (f"{name:<12} {f('us_per_chain', '9.2f')} {f('gb_s', '7.0f')} {pct} "
+            f"{f('stall_cost_us', '8.3f')} {worst('err_vs_ref')} {worst('err_vs_baseline')} "
+            f"{ok:>3}  {r.get('error') or r.get('what', '')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
