@@ -134,3 +134,17 @@ def test_no_font_database_warnings_at_start(tmp_path):
                        env=_env(QT_QPA_PLATFORM="offscreen"))
     assert r.returncode == 0, r.stderr
     assert "qt.text.font" not in r.stderr and "QFont" not in r.stderr, r.stderr[:2000]
+
+
+@pytest.mark.parametrize("user_rules", [None, "qt.text.font.db.warning=true"])
+def test_font_database_category_is_quiet_unless_the_user_asks(user_rules):
+    """Where the fonts make Qt warn (a desktop whose fonts lack OpenType tables: ~40 lines), the
+    category is off before the QApplication exists; a user's QT_LOGGING_RULES turns it back on."""
+    code = ("from PySide6.QtCore import QLoggingCategory, qCWarning\n"
+            "from tritonchat.app.main import quiet_font_database\n"
+            "quiet_font_database()\n"
+            "qCWarning(QLoggingCategory('qt.text.font.db'), 'OpenType support missing for \"X\", script 11')\n")
+    env = _env(QT_QPA_PLATFORM="offscreen", QT_LOGGING_RULES=user_rules)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("OpenType support missing" in r.stderr) == bool(user_rules), r.stderr
