@@ -63,8 +63,9 @@ L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 # Forward substitution works on diagonal blocks of this many rows (tl.dot's minimum tile).
 SUB_BLOCK = 16
-# launch knobs: V-tile of the sequential state pass and the warps/stages of the three launches
-GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps")
+# launch knobs: V-tile of the sequential state pass, the warps/stages of the three launches, and
+# the prepare launch's diagonal-block solve (1: in the C x C tile, 2: as a batch of BC x BC blocks)
+GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
 
 
 def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
@@ -79,7 +80,7 @@ def _gdn_default_config(dkp: int, dvp: int) -> dict:
     on the state, so two stages prefetch the next chunk under the current one's dots."""
     big = max(dkp, dvp) >= 128
     return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
-                out_warps=8 if big else 4)
+                out_warps=8 if big else 4, solve=1)
 
 
 @triton.jit
@@ -103,15 +104,16 @@ def _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch, ch_ok, stride_m,
     """silu(round(causal conv)) of channels ch at rows (fp32 holding dtype values; 0 where not
     real). Tap j reads seq row rows + j = input row s = rows - (Kc-1) + j: the raw rows for
     s >= 0 (the previous chunk's tail hits L1/L2), the conv state cs[:, s + Kc-1] for s < 0
-    (the first chunk only; elsewhere that load is masked off)."""
+    (the first chunk's first Kc-1 rows only)."""
     acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     m_ok = real[:, None] & ch_ok[None, :]
     for j in tl.static_range(KC):
         s = rows - (KC - 1) + j
-        x = tl.load(m_ptr + s.to(tl.int64)[:, None] * stride_m + ch[None, :],
-                    mask=m_ok & (s >= 0)[:, None], other=0.0).to(tl.float32)
-        x += tl.load(cs_ptr + ch.to(tl.int64)[None, :] * (KC - 1) + (s + KC - 1)[:, None],
-                     mask=m_ok & (s < 0)[:, None], other=0.0).to(tl.float32)
+        # one load a tap, from whichever side holds the value (two masked loads spill on sm_90)
+        from_m = (s >= 0)[:, None]
+        ptrs = tl.where(from_m, m_ptr + tl.maximum(s, 0).to(tl.int64)[:, None] * stride_m + ch[None, :],
+                        cs_ptr + ch.to(tl.int64)[None, :] * (KC - 1) + tl.maximum(s + KC - 1, 0)[:, None])
+        x = tl.load(ptrs, mask=m_ok, other=0.0).to(tl.float32)
         wj = tl.load(cw_ptr + ch * KC + j, mask=ch_ok, other=0.0).to(tl.float32)
         acc += x * wj[None, :]
     c = acc.to(act).to(tl.float32)
@@ -142,13 +144,52 @@ def _conv_state_update(m_ptr, old_ptr, cs_ptr, t, ch, ch_ok, stride_m,
 
 
 @triton.jit
+def _diag_block_inverse_tile(L, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """Xd = (I + Ld)^-1 for the block-diagonal part Ld of L (BC x BC blocks), by forward
+    substitution on all diagonal blocks at once in the C x C tile (solve = 1): step i solves
+    row i of every block,
+        X[tr, :] = e_tr - Ld[tr, :] X      with tr = block_start + i (earlier rows final)."""
+    r = tl.arange(0, CHUNK)[:, None]
+    c = tl.arange(0, CHUNK)[None, :]
+    same_block = (r // BC) == (c // BC)
+    LdT = tl.trans(tl.where(same_block, L, 0.0))                 # LdT[m, tr] = Ld[tr, m]
+    eye = tl.where(r == c, 1.0, 0.0)
+    X = eye
+    for i in tl.static_range(1, BC):
+        # a[m] = Ld[tr(m), m]: the row being solved in m's block, laid out along axis 0
+        a_row = tl.sum(tl.where(c == (r // BC) * BC + i, LdT, 0.0), axis=1)
+        y = tl.sum(a_row[:, None] * X, axis=0)                   # (Ld X)[tr(col), col]
+        X = tl.where(r == (c // BC) * BC + i, eye - y[None, :], X)
+    return X
+
+
+@triton.jit
+def _diag_block_inverse_batched(L, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """The same Xd (solve = 2) with the diagonal blocks gathered into a [C/BC, BC, BC] batch
+    first, so each substitution step touches C*BC values instead of C*C (a quarter at C = 64),
+    then scattered back into the C x C tile (zero off the diagonal blocks)."""
+    NB: tl.constexpr = CHUNK // BC
+    on_diag = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
+    D = tl.sum(tl.where(on_diag, tl.reshape(L, (NB, BC, NB, BC)), 0.0), axis=2)   # D[b] = Ld block b
+    ii = tl.arange(0, BC)[None, :, None]
+    eye = tl.zeros((NB, BC, BC), dtype=tl.float32) + tl.where(ii == tl.arange(0, BC)[None, None, :], 1.0, 0.0)
+    X = eye
+    for i in tl.static_range(1, BC):
+        a_row = tl.sum(tl.where(ii == i, D, 0.0), axis=1)         # [NB, BC]: D[b, i, m]
+        y = tl.sum(a_row[:, :, None] * X, axis=1)                # [NB, BC]: (D X)[b, i, col]
+        X = tl.where(ii == i, eye - y[:, None, :], X)
+    return tl.reshape(tl.where(on_diag, X[:, :, None, :], 0.0), (CHUNK, CHUNK))
+
+
+@triton.jit
 def _gdn_chunk_prepare_kernel(
         m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
         gam_ptr, w_ptr, u_ptr, kd_ptr,
         T, T_pad, stride_m, stride_b, stride_a,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
-        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr):
+        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
+        DOT_PREC: tl.constexpr):
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -163,8 +204,6 @@ def _gdn_chunk_prepare_kernel(
     ch_v = 2 * HK * DK + h * DV + offs_v
     k = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_k, offs_k < DK, stride_m,
                    KC, CHUNK, DKP, act)
-    v = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_v, offs_v < DV, stride_m,
-                   KC, CHUNK, DVP, act)
     k = _l2norm_rows(k)
     if i_t == 0:    # the old conv state of this program's channels, for launch 3
         _conv_state_copy(cs_ptr, cs_old_ptr, ch_v, offs_v < DV, KC, KM1P)
@@ -194,18 +233,10 @@ def _gdn_chunk_prepare_kernel(
     lower = r > c
     L = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
 
-    # Xd = (I + Ld)^-1 for the block-diagonal part Ld (BC x BC blocks), by forward substitution
-    # on all diagonal blocks at once: step i solves row i of every block,
-    #     X[tr, :] = e_tr - Ld[tr, :] X      with tr = block_start + i (earlier rows final).
-    same_block = (r // BC) == (c // BC)
-    LdT = tl.trans(tl.where(same_block, L, 0.0))                 # LdT[m, tr] = Ld[tr, m]
-    eye = tl.where(r == c, 1.0, 0.0)
-    X = eye
-    for i in tl.static_range(1, BC):
-        # a[m] = Ld[tr(m), m]: the row being solved in m's block, laid out along axis 0
-        a_row = tl.sum(tl.where(c == (r // BC) * BC + i, LdT, 0.0), axis=1)
-        y = tl.sum(a_row[:, None] * X, axis=0)                   # (Ld X)[tr(col), col]
-        X = tl.where(r == (c // BC) * BC + i, eye - y[None, :], X)
+    if SOLVE == 1:
+        X = _diag_block_inverse_tile(L, CHUNK, BC)
+    else:
+        X = _diag_block_inverse_batched(L, CHUNK, BC)
 
     # Merge the blocks: I + L = (I + Ld)(I + N) with N = Xd Lo strictly block-lower, so
     # N^(C/BC) = 0 and (I + L)^-1 = sum_m (-N)^m Xd, evaluated by Horner: Z <- Xd - N Z.
@@ -214,13 +245,16 @@ def _gdn_chunk_prepare_kernel(
     for _ in tl.static_range(CHUNK // BC - 1):
         Tinv = X - tl.dot(N, Tinv, input_precision=DOT_PREC)
 
+    # each result stored as soon as it is made, and v's conv only now: what stays live through
+    # the solve and the dots spills (sm_90)
+    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
+    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
     decay = tl.exp(gam)                                           # <= 1
     w = tl.dot(Tinv, k * (beta * decay)[:, None], input_precision=DOT_PREC)
-    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
-    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
-
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
-    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
+    v = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_v, offs_v < DV, stride_m,
+                   KC, CHUNK, DVP, act)
+    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
 
 
@@ -404,6 +438,8 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     bv = min(cfg["BV"], dvp)
     if bv < 16 or dvp % bv:
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
+    if cfg["solve"] not in (1, 2):
+        raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
@@ -411,7 +447,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
         T, t_pad, qkv.stride(0), b.stride(0), a.stride(0),
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BC=SUB_BLOCK,
-        DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv)
+        SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,

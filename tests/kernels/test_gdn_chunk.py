@@ -112,8 +112,21 @@ def test_gdn_smaller_chunks(chunk):
 def test_gdn_state_pass_v_tiles(bv):
     """The tuner's override path: the sequential state pass split into dv / BV programs."""
     inputs = _inputs(70, SMALL, torch.float32, seed=30 + bv)
-    cfg = dict(BV=bv, prep_warps=4, state_warps=4, state_stages=2, out_warps=4)
+    cfg = dict(BV=bv, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=1)
     _check(inputs, SMALL, torch.float32, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,chunk", [(1, 64), (65, 64), (130, 64), (40, 32), pytest.param(40, 16, marks=pytest.mark.slow)])
+def test_gdn_batched_block_solve(T, chunk, dtype):
+    """solve = 2 (the diagonal blocks inverted as a batch of 16 x 16) against the reference,
+    and against solve = 1 to summation-order noise."""
+    inputs = _inputs(T, SMALL, dtype, seed=50 + T)
+    cfg = dict(BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4)
+    out, st, _ = _check(inputs, SMALL, dtype, chunk=chunk, config=dict(cfg, solve=2))
+    out1, st1, _ = _run(gdn_prefill, inputs, SMALL, chunk=chunk, config=dict(cfg, solve=1))
+    _assert_close(out, out1, dtype)
+    _assert_close(st, st1, dtype)
 
 
 def test_gdn_power_of_two_heads_ungrouped():
@@ -254,6 +267,9 @@ def test_gdn_rejects_bad_arguments():
         gdn_prefill(qkv, z, b, a, conv_w, cst[:, :2].contiguous(), A_log, dt_bias, state, norm_w, out, **kw)
     with pytest.raises(TypeError):
         gdn_prefill(qkv, z, b, a, conv_w.half(), cst, A_log, dt_bias, state, norm_w, out, **kw)
+    with pytest.raises(ValueError):
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, config=dict(
+            BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=3), **kw)
     with pytest.raises(ValueError):                                         # t_dev must be int32
         gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
                     t_dev=torch.tensor([3], device=DEVICE), **kw)
