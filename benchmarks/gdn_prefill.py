@@ -4,8 +4,10 @@ form, the torch ops main's _prefill_chunk ran around them: masked_fill_ of b/a, 
 conv state, two index_selects and a where), against today's kernels.gdn_chunk.gdn_prefill with
 the conv inside (three launches, pads inert from a device row count). One process, the true
 Qwen3.5-0.8B GDN shape (16 key / 16 value heads, dk = dv = 128, conv_dim 6144, Kc = 4, bf16),
-each T in --T; checks new == old numerically (real rows' outputs, both states) and, at
-T <= --ref-max-T, new against the PyTorch reference (kernels/reference.gdn_prefill_ref).
+each T in --T, plus the launch-config alternatives of the new kernels (the batched
+diagonal-block solve, 8 prepare warps); checks new == old numerically (real rows' outputs,
+both states) and, at T <= --ref-max-T, new against the PyTorch reference
+(kernels/reference.gdn_prefill_ref).
 
 The old kernels are main's files before the conv moved in (OLD_REV): read from --old-dir (a
 folder holding conv1d.py and gdn_chunk.py) or from git (--old-rev); loaded as modules of
@@ -111,10 +113,21 @@ class Layer:
         return p[:, :cd], p[:, cd + 2 * hv:], p[:, cd:cd + hv], p[:, cd + hv:cd + 2 * hv]   # qkv, z, b, a
 
 
-def new_fn(mod, L: Layer, t_dev=None):
+def new_fn(mod, L: Layer, t_dev=None, config=None):
     qkv, z, b, a = L.views()
     return lambda: mod.gdn_prefill(qkv, z, b, a, L.conv_w, L.conv_state, L.A_log, L.dt_bias, L.rec,
-                                   L.norm_w, L.out, eps=L.eps, t_dev=t_dev, **L.dims)
+                                   L.norm_w, L.out, eps=L.eps, t_dev=t_dev, config=config, **L.dims)
+
+
+def new_variants(mod, L: Layer) -> dict:
+    """The launch config gdn_prefill picks at this T (table or built-in) and the alternatives
+    to time against it: the batched diagonal-block solve, 8 prepare warps (fewer spills)."""
+    d = L.dims
+    dkp, dvp = (max(16, mod.next_pow2(d[k])) for k in ("head_k_dim", "head_v_dim"))
+    cfg = (mod.tuned_config(mod.gdn_kernel_name(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"]), L.T,
+                            mod.GDN_KEYS, mod.TUNING_PATH) or mod._gdn_default_config(dkp, dvp))
+    return {"picked": cfg, "solve2": dict(cfg, solve=2), "prep8": dict(cfg, prep_warps=8),
+            "solve2_prep8": dict(cfg, solve=2, prep_warps=8)}
 
 
 def old_fn(conv_mod, gdn_mod, L: Layer, t_dev=None):
@@ -241,6 +254,13 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
         if old is not None:
             r["old_ms"] = _ms(old_fn(*old, L, t_dev), args, graph=True)
             r["old_eager_ms"] = _ms(old_fn(*old, L, t_dev), args, graph=False)
+        if form == "plain":
+            r["variants"] = {}
+            for name, cfg in new_variants(new_mod, L).items():
+                L.reset()
+                new_fn(new_mod, L, None, cfg)()
+                v = r["variants"][name] = dict(config=cfg, vs_picked=_compare(_result(L, t), got))
+                v["ms"] = _ms(new_fn(new_mod, L, None, cfg), args, graph=True)
         if args.device != "cpu" and form == "plain":
             k = [new_mod._gdn_chunk_prepare_kernel, new_mod._gdn_chunk_state_kernel,
                  new_mod._gdn_chunk_output_kernel]
@@ -267,6 +287,9 @@ def _print(res: dict, n_layers: int) -> None:
         for key in ("new_split_ms", "old_split_ms"):
             if key in r:
                 print(f"    {key[:3]} split: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in r[key].items()))
+        for name, v in r.get("variants", {}).items():
+            print(f"    new {name:12s} {v['ms'] * 1e3:8.1f} us  (out rel to the picked config "
+                  f"{v['vs_picked']['out_rel']:.1e})  {v['config']}")
         for key in ("new_vs_old", "new_vs_ref"):
             if key in r:
                 c = r[key]
@@ -294,6 +317,10 @@ def main(argv=None) -> int:
                 c = res[form].get(key)
                 lim = tol if key == "new_vs_old" else max(tol, 1e-2)
                 if c and not (c["out_rel"] < lim and c["rec_rel"] < lim and c["conv_equal"]):
+                    ok = False
+            for v in res[form].get("variants", {}).values():
+                c = v["vs_picked"]
+                if not (c["out_rel"] < tol and c["rec_rel"] < tol and c["conv_equal"]):
                     ok = False
         results.append(res)
         if torch.cuda.is_available():
