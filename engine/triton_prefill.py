@@ -1,21 +1,23 @@
 """Prefill for the Triton backend: a prompt of T tokens through the model with our prefill kernels
-(tensor-core GEMMs with fused epilogues, causal conv1d, chunked gated delta rule, flash
-attention), filling the KV cache and the GDN states that the decode step continues from.
+(tensor-core GEMMs with fused epilogues, the chunked gated delta rule with its causal conv1d,
+flash attention), filling the KV cache and the GDN states that the decode step continues from.
+A GDN layer is gemm -> gdn_prefill (conv, recurrence, gated norm, both states) -> gemm.
 
 Long prompts run in chunks of PREFILL_CHUNK tokens (every kernel continues from the state the
 previous chunk left), which bounds the activation memory; buffers are allocated per call.
 `backend.prefill_kernels = False` switches to the PyTorch reference model on the same device,
 over views of the same merged weights and the same state tensors.
 
-Prefill CUDA graphs (`EngineOptions.prefill_graph`, on by default on CUDA): up to ~230 kernel launches make a short prompt's prefill cost the host
-9-16 ms, more than the GPU work. A prompt of up to GRAPH_MAX_T tokens instead runs padded to a
-bucket length B (a multiple of 64, of 256 past 1,024) as one captured graph per bucket,
-replayed for every later prompt of that bucket, whatever its length and its start position. The padding is made inert: pad rows read
-token 0, their GDN gates are forced to beta = 0 and g = 0 (b and a set to -inf, so the
-recurrent state passes through them unchanged), the conv state is rebuilt from the last real
-inputs, attention is causal (real rows never see the pads, whose K/V land past the new length
-and are overwritten later), and the first position is read from the device. The first prompt
-of a bucket runs the padded path eagerly (compiling what it needs) and then captures it.
+Prefill CUDA graphs (`EngineOptions.prefill_graph`, on by default on CUDA): up to ~230 kernel
+launches make a short prompt's prefill cost the host 9-16 ms, more than the GPU work. A prompt
+of up to GRAPH_MAX_T tokens instead runs padded to a bucket length B (a multiple of 64, of 256
+past 1,024) as one captured graph per bucket, replayed for every later prompt of that bucket,
+whatever its length and its start position. The padding is made inert: pad rows read token 0;
+the GDN kernels read the real row count from the device and treat the rows past it as inert
+(beta = g = 0, so the recurrent state passes through them unchanged; the conv state takes the
+last real inputs); attention is causal (real rows never see the pads, whose K/V land past the
+new length and are overwritten later), and the first position is read from the device. The first
+prompt of a bucket runs the padded path eagerly (compiling what it needs) and then captures it.
 """
 from __future__ import annotations
 
@@ -112,7 +114,6 @@ def prefill_hidden(backend, ids: torch.Tensor) -> torch.Tensor:
 def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ids [T] at positions start.. (an int, or a device int32 with t_dev: then only the first
     t_dev[0] rows are real and the rest is inert padding, see the module docstring)."""
-    from tritonchat.kernels.conv1d import causal_conv1d
     from tritonchat.kernels.embedding import embedding_gather
     from tritonchat.kernels.flash_attention import attention_prefill
     from tritonchat.kernels.gdn_chunk import gdn_prefill
@@ -128,17 +129,10 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
     new = lambda *s: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     h, x, act = new(T, D), new(T, D), new(T, I)
     gdn_proj = new(T, cd + 2 * Hv + vd) if cfg.linear_attention_layers else None   # [qkv | b | a | z]
-    conv_out = new(T, cd) if gdn_proj is not None else None
     gdn_out = new(T, vd) if gdn_proj is not None else None
     attn_proj = new(T, 2 * H * hd + 2 * KV * hd) if cfg.full_attention_layers else None
     attn_out = new(T, H * hd) if attn_proj is not None else None
 
-    if t_dev is not None:
-        rows = torch.arange(T, device=dev)
-        pad = rows >= t_dev
-        kc1 = cfg.linear_conv_kernel_dim - 1
-        conv_idx = t_dev.long() + torch.arange(kc1, device=dev)
-        in_old = (conv_idx < kc1)[None, :]
     embedding_gather(ids, be.embed, h, pdl=be._pdl)
     for i, L in enumerate(be.layers):
         rms_norm(h, L.input_norm, eps, x)
@@ -153,22 +147,11 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
             gemm(attn_out, m.o_proj, h, residual=h)
         else:
             gemm(x, m.qkvbaz, gdn_proj)
-            if t_dev is not None:
-                # pads: beta = sigmoid(-inf) = 0 and g = -exp(A_log) softplus(-inf) = 0, so the
-                # recurrent state passes through them; the conv state is rebuilt below
-                gdn_proj[:, cd:cd + 2 * Hv].masked_fill_(pad[:, None], float("-inf"))
-                old_conv = be.state.conv[i].clone()
-            causal_conv1d(gdn_proj[:, :cd], m.conv_w, be.state.conv[i], conv_out)
-            if t_dev is not None:
-                # the last K-1 real inputs: columns t .. t+K-2 of [old state | the new rows^T],
-                # gathered from whichever side holds each (the kernel stored the pads' inputs)
-                from_rows = gdn_proj[:, :cd].index_select(0, (conv_idx - kc1).clamp(min=0)).t()
-                from_old = old_conv.index_select(1, conv_idx.clamp(max=kc1 - 1))
-                torch.where(in_old, from_old, from_rows, out=be.state.conv[i])
-            gdn_prefill(conv_out, gdn_proj[:, cd + 2 * Hv:], gdn_proj[:, cd:cd + Hv],
-                        gdn_proj[:, cd + Hv:cd + 2 * Hv], m.A_log, m.dt_bias, be.state.rec[i], m.norm_w, gdn_out,
-                        num_k_heads=cfg.linear_num_key_heads, num_v_heads=Hv,
-                        head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=eps)
+            gdn_prefill(gdn_proj[:, :cd], gdn_proj[:, cd + 2 * Hv:], gdn_proj[:, cd:cd + Hv],
+                        gdn_proj[:, cd + Hv:cd + 2 * Hv], m.conv_w, be.state.conv[i], m.A_log, m.dt_bias,
+                        be.state.rec[i], m.norm_w, gdn_out, num_k_heads=cfg.linear_num_key_heads,
+                        num_v_heads=Hv, head_k_dim=cfg.linear_key_head_dim,
+                        head_v_dim=cfg.linear_value_head_dim, eps=eps, t_dev=t_dev)
             gemm(gdn_out, m.out_proj, h, residual=h)
         rms_norm(h, L.post_norm, eps, x)
         gemm(x, L.gate_up, act, silu_mul=True)

@@ -1,4 +1,15 @@
-"""Gated DeltaNet prefill: the chunked WY form of the gated delta rule (spec sections 6-7).
+"""Gated DeltaNet prefill: the causal conv1d + SiLU and the chunked WY form of the gated delta
+rule (spec sections 6.2-6.5), from the raw projection m = [q | k | v] of T prompt tokens.
+
+Conv (inside the chunk kernels, never stored): with seq = [conv_state^T | m] (the Kc-1 inputs
+before the prompt, oldest first, then the rows),
+
+    x[t, c]    = silu( round( sum_{j<Kc} w[c, j] seq[t + j, c] ) )     rounded to the dtype
+    conv_state = seq[t_real : t_real + Kc - 1]^T                        the last Kc-1 real inputs
+
+A chunk's programs read its raw rows and the Kc-1 rows before them (the previous chunk's, or
+the conv state for the first chunk): every chunk is independent. HF runs F.conv1d in the model
+dtype, then F.silu: hence the rounding before the SiLU.
 
 Per value head, tokens split into chunks of C rows; inside a chunk (rows r, all in fp32):
 
@@ -11,17 +22,27 @@ Per value head, tokens split into chunks of C rows; inside a chunk (rows r, all 
     S0     <- exp(gamma_last) S0 + (diag(exp(gamma_last - gamma)) K)^T Vn
 
 Only differences gamma_i - gamma_j (i >= j) and gamma itself (<= 0) are exponentiated, so nothing
-overflows however strong the decay. Padded rows of the last chunk get g = 0 (so gamma_last is the
-last real row's) and k = v = beta = 0 (so their rows of L, W, U, Vn are zero): they never touch
-the state.
+overflows however strong the decay.
+
+Inert rows: rows >= t are padding, t = T or a device row count `t_dev` (the prefill CUDA graphs
+replay one bucket length for prompts of any length up to it). Their q, k, v and z read as 0 and
+beta = g = 0, so their rows of L, W, U, Vn are zero and gamma_last is the last real row's: they
+never touch the recurrent state, the conv state takes the last Kc-1 real inputs, and their
+output rows are 0. (The last chunk's rows past T are padding the same way.)
 
 Three launches:
-  1. prepare  (chunks x heads, parallel): l2norm, gates, gamma, L, blocked inverse, W, U, decayed K
+  1. prepare  (chunks x heads, parallel): conv of k and v, l2norm, gates, gamma, L, blocked
+     inverse, W, U, decayed K; the first chunk's programs also copy the old conv state of their
+     channels to scratch (launch 3 reads it there, while it rewrites the real one)
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
-  3. output   (chunks x heads, parallel): O, then the gated RMSNorm into `out`
-Intermediates (W, U, decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA
-does; the state and every accumulation stay fp32. Scratch is allocated here; `out` and `state`
-come from the caller.
+  3. output   (chunks x heads, parallel): conv of q and k again (4 taps a value: cheaper than
+     storing them in launch 1 and reading them back), O, the gated RMSNorm into `out`; the first
+     chunk's programs write the new conv state of their channels
+Value head h owns the conv channels of its v; the first value head of each key group also owns
+its key head's q and k channels (the copy in 1, the new state in 3). Intermediates (W, U,
+decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA does; the state and
+every accumulation stay fp32. Scratch is allocated here; `out` and both states come from the
+caller.
 
 PyTorch reference: kernels/reference.py, section "gdn_chunk": gdn_prefill_ref.
 """
@@ -42,8 +63,9 @@ L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 # Forward substitution works on diagonal blocks of this many rows (tl.dot's minimum tile).
 SUB_BLOCK = 16
-# launch knobs: V-tile of the sequential state pass and the warps/stages of the three launches
-GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps")
+# launch knobs: V-tile of the sequential state pass, the warps/stages of the three launches, and
+# the prepare launch's diagonal-block solve (1: in the C x C tile, 2: as a batch of BC x BC blocks)
+GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
 
 
 def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
@@ -58,7 +80,7 @@ def _gdn_default_config(dkp: int, dvp: int) -> dict:
     on the state, so two stages prefetch the next chunk under the current one's dots."""
     big = max(dkp, dvp) >= 128
     return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
-                out_warps=8 if big else 4)
+                out_warps=8 if big else 4, solve=1)
 
 
 @triton.jit
@@ -67,38 +89,137 @@ def _l2norm_rows(x):
 
 
 @triton.jit
+def _real_rows(t_ptr, T, T_DEV: tl.constexpr):
+    """The number of real rows: t_dev[0] clamped to [0, T], or T."""
+    if T_DEV:
+        t = tl.minimum(tl.maximum(tl.load(t_ptr), 0), T)
+    else:
+        t = T
+    return t
+
+
+@triton.jit
+def _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch, ch_ok, stride_m,
+               KC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, act: tl.constexpr):
+    """silu(round(causal conv)) of channels ch at rows (fp32 holding dtype values; 0 where not
+    real). Tap j reads seq row rows + j = input row s = rows - (Kc-1) + j: the raw rows for
+    s >= 0 (the previous chunk's tail hits L1/L2), the conv state cs[:, s + Kc-1] for s < 0
+    (the first chunk's first Kc-1 rows only)."""
+    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    m_ok = real[:, None] & ch_ok[None, :]
+    for j in tl.static_range(KC):
+        s = rows - (KC - 1) + j
+        # one load a tap, from whichever side holds the value (two masked loads spill on sm_90)
+        from_m = (s >= 0)[:, None]
+        ptrs = tl.where(from_m, m_ptr + tl.maximum(s, 0).to(tl.int64)[:, None] * stride_m + ch[None, :],
+                        cs_ptr + ch.to(tl.int64)[None, :] * (KC - 1) + tl.maximum(s + KC - 1, 0)[:, None])
+        x = tl.load(ptrs, mask=m_ok, other=0.0).to(tl.float32)
+        wj = tl.load(cw_ptr + ch * KC + j, mask=ch_ok, other=0.0).to(tl.float32)
+        acc += x * wj[None, :]
+    c = acc.to(act).to(tl.float32)
+    return (c * tl.sigmoid(c)).to(act).to(tl.float32)
+
+
+@triton.jit
+def _conv_state_copy(src_ptr, dst_ptr, ch, ch_ok, KC: tl.constexpr, KM1P: tl.constexpr):
+    offs_i = tl.arange(0, KM1P)
+    keep = ch_ok[:, None] & (offs_i < KC - 1)[None, :]
+    off = ch.to(tl.int64)[:, None] * (KC - 1) + offs_i[None, :]
+    tl.store(dst_ptr + off, tl.load(src_ptr + off, mask=keep), mask=keep)
+
+
+@triton.jit
+def _conv_state_update(m_ptr, old_ptr, cs_ptr, t, ch, ch_ok, stride_m,
+                       KC: tl.constexpr, KM1P: tl.constexpr):
+    """cs[ch, i] = seq[t + i] (i < Kc-1): the last Kc-1 real inputs, from the raw rows
+    (s = t - (Kc-1) + i >= 0) or, for a prompt shorter than Kc-1, the old state's copy."""
+    offs_i = tl.arange(0, KM1P)
+    s = t - (KC - 1) + offs_i
+    keep = ch_ok[:, None] & (offs_i < KC - 1)[None, :]
+    from_m = (s >= 0)[None, :]
+    rows_c = ch.to(tl.int64)[:, None] * (KC - 1)
+    new_m = tl.load(m_ptr + s.to(tl.int64)[None, :] * stride_m + ch[:, None], mask=keep & from_m, other=0.0)
+    old = tl.load(old_ptr + rows_c + (s + KC - 1)[None, :], mask=keep & (~from_m), other=0.0)
+    tl.store(cs_ptr + rows_c + offs_i[None, :], tl.where(from_m, new_m, old), mask=keep)
+
+
+@triton.jit
+def _diag_block_inverse_tile(L, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """Xd = (I + Ld)^-1 for the block-diagonal part Ld of L (BC x BC blocks), by forward
+    substitution on all diagonal blocks at once in the C x C tile (solve = 1): step i solves
+    row i of every block,
+        X[tr, :] = e_tr - Ld[tr, :] X      with tr = block_start + i (earlier rows final)."""
+    r = tl.arange(0, CHUNK)[:, None]
+    c = tl.arange(0, CHUNK)[None, :]
+    same_block = (r // BC) == (c // BC)
+    LdT = tl.trans(tl.where(same_block, L, 0.0))                 # LdT[m, tr] = Ld[tr, m]
+    eye = tl.where(r == c, 1.0, 0.0)
+    X = eye
+    for i in tl.static_range(1, BC):
+        # a[m] = Ld[tr(m), m]: the row being solved in m's block, laid out along axis 0
+        a_row = tl.sum(tl.where(c == (r // BC) * BC + i, LdT, 0.0), axis=1)
+        y = tl.sum(a_row[:, None] * X, axis=0)                   # (Ld X)[tr(col), col]
+        X = tl.where(r == (c // BC) * BC + i, eye - y[None, :], X)
+    return X
+
+
+@triton.jit
+def _diag_block_inverse_batched(L, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """The same Xd (solve = 2) with the diagonal blocks gathered into a [C/BC, BC, BC] batch
+    first, so each substitution step touches C*BC values instead of C*C (a quarter at C = 64),
+    then scattered back into the C x C tile (zero off the diagonal blocks)."""
+    NB: tl.constexpr = CHUNK // BC
+    on_diag = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
+    D = tl.sum(tl.where(on_diag, tl.reshape(L, (NB, BC, NB, BC)), 0.0), axis=2)   # D[b] = Ld block b
+    ii = tl.arange(0, BC)[None, :, None]
+    eye = tl.zeros((NB, BC, BC), dtype=tl.float32) + tl.where(ii == tl.arange(0, BC)[None, None, :], 1.0, 0.0)
+    X = eye
+    for i in tl.static_range(1, BC):
+        a_row = tl.sum(tl.where(ii == i, D, 0.0), axis=1)         # [NB, BC]: D[b, i, m]
+        y = tl.sum(a_row[:, :, None] * X, axis=1)                # [NB, BC]: (D X)[b, i, col]
+        X = tl.where(ii == i, eye - y[:, None, :], X)
+    return tl.reshape(tl.where(on_diag, X[:, :, None, :], 0.0), (CHUNK, CHUNK))
+
+
+@triton.jit
 def _gdn_chunk_prepare_kernel(
-        qkv_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr,
+        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
         gam_ptr, w_ptr, u_ptr, kd_ptr,
-        T, T_pad, stride_qkv, stride_b, stride_a,
+        T, T_pad, stride_m, stride_b, stride_a,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
+        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
         DOT_PREC: tl.constexpr):
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     act = w_ptr.dtype.element_ty
 
+    t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
-    valid = rows < T
+    real = rows < t
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
-    row_ptr = qkv_ptr + rows.to(tl.int64)[:, None] * stride_qkv
-    k = tl.load(row_ptr + (HK * DK + hk * DK) + offs_k[None, :],
-                mask=valid[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
-    v = tl.load(row_ptr + (2 * HK * DK + h * DV) + offs_v[None, :],
-                mask=valid[:, None] & (offs_v < DV)[None, :], other=0.0).to(tl.float32)
+    ch_k = HK * DK + hk * DK + offs_k
+    ch_v = 2 * HK * DK + h * DV + offs_v
+    k = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_k, offs_k < DK, stride_m,
+                   KC, CHUNK, DKP, act)
     k = _l2norm_rows(k)
+    if i_t == 0:    # the old conv state of this program's channels, for launch 3
+        _conv_state_copy(cs_ptr, cs_old_ptr, ch_v, offs_v < DV, KC, KM1P)
+        if h % GROUP == 0:
+            _conv_state_copy(cs_ptr, cs_old_ptr, hk * DK + offs_k, offs_k < DK, KC, KM1P)
+            _conv_state_copy(cs_ptr, cs_old_ptr, ch_k, offs_k < DK, KC, KM1P)
 
     # gates: beta = sigmoid(b) rounded like HF keeps it; g = -exp(A_log) softplus(a + dt_bias)
-    b = tl.load(b_ptr + rows.to(tl.int64) * stride_b + h, mask=valid, other=0.0)
+    b = tl.load(b_ptr + rows.to(tl.int64) * stride_b + h, mask=real, other=0.0)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-    beta = tl.where(valid, beta, 0.0)
-    a = tl.load(a_ptr + rows.to(tl.int64) * stride_a + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.where(real, beta, 0.0)
+    a = tl.load(a_ptr + rows.to(tl.int64) * stride_a + h, mask=real, other=0.0).to(tl.float32)
     x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
-    g = tl.where(valid, g, 0.0)
+    g = tl.where(real, g, 0.0)
     gam = tl.cumsum(g, axis=0)
     gam_last = tl.sum(g, axis=0)
     head_rows = h.to(tl.int64) * T_pad + rows
@@ -112,18 +233,10 @@ def _gdn_chunk_prepare_kernel(
     lower = r > c
     L = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
 
-    # Xd = (I + Ld)^-1 for the block-diagonal part Ld (BC x BC blocks), by forward substitution
-    # on all diagonal blocks at once: step i solves row i of every block,
-    #     X[tr, :] = e_tr - Ld[tr, :] X      with tr = block_start + i (earlier rows final).
-    same_block = (r // BC) == (c // BC)
-    LdT = tl.trans(tl.where(same_block, L, 0.0))                 # LdT[m, tr] = Ld[tr, m]
-    eye = tl.where(r == c, 1.0, 0.0)
-    X = eye
-    for i in tl.static_range(1, BC):
-        # a[m] = Ld[tr(m), m]: the row being solved in m's block, laid out along axis 0
-        a_row = tl.sum(tl.where(c == (r // BC) * BC + i, LdT, 0.0), axis=1)
-        y = tl.sum(a_row[:, None] * X, axis=0)                   # (Ld X)[tr(col), col]
-        X = tl.where(r == (c // BC) * BC + i, eye - y[None, :], X)
+    if SOLVE == 1:
+        X = _diag_block_inverse_tile(L, CHUNK, BC)
+    else:
+        X = _diag_block_inverse_batched(L, CHUNK, BC)
 
     # Merge the blocks: I + L = (I + Ld)(I + N) with N = Xd Lo strictly block-lower, so
     # N^(C/BC) = 0 and (I + L)^-1 = sum_m (-N)^m Xd, evaluated by Horner: Z <- Xd - N Z.
@@ -132,13 +245,16 @@ def _gdn_chunk_prepare_kernel(
     for _ in tl.static_range(CHUNK // BC - 1):
         Tinv = X - tl.dot(N, Tinv, input_precision=DOT_PREC)
 
+    # each result stored as soon as it is made, and v's conv only now: what stays live through
+    # the solve and the dots spills (sm_90)
+    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
+    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
     decay = tl.exp(gam)                                           # <= 1
     w = tl.dot(Tinv, k * (beta * decay)[:, None], input_precision=DOT_PREC)
-    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
-    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
-
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
-    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
+    v = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_v, offs_v < DV, stride_m,
+                   KC, CHUNK, DVP, act)
+    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
 
 
@@ -177,25 +293,36 @@ def _gdn_chunk_state_kernel(
 
 @triton.jit
 def _gdn_chunk_output_kernel(
-        qkv_ptr, z_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
-        T, T_pad, NT, stride_qkv, stride_z, stride_o, scale, eps,
+        m_ptr, z_ptr, cw_ptr, cs_ptr, cs_old_ptr, t_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
+        T, T_pad, NT, stride_m, stride_z, stride_o, scale, eps,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, DOT_PREC: tl.constexpr):
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
+        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr):
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     act = vn_ptr.dtype.element_ty
 
+    t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
-    valid = rows < T
+    real = rows < t
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
-    mask_k = valid[:, None] & (offs_k < DK)[None, :]
-    row_ptr = qkv_ptr + rows.to(tl.int64)[:, None] * stride_qkv
-    q = tl.load(row_ptr + hk * DK + offs_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(row_ptr + (HK * DK + hk * DK) + offs_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    k_ok = offs_k < DK
+    # the conv state is being rewritten by this launch: the first chunk reads the old copy
+    q = _conv_silu(m_ptr, cw_ptr, cs_old_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m,
+                   KC, CHUNK, DKP, act)
+    k = _conv_silu(m_ptr, cw_ptr, cs_old_ptr, rows, real, HK * DK + hk * DK + offs_k, k_ok, stride_m,
+                   KC, CHUNK, DKP, act)
     q = _l2norm_rows(q) * scale
     k = _l2norm_rows(k)
+    if i_t == 0:    # the new conv state of this program's channels (see the module docstring)
+        _conv_state_update(m_ptr, cs_old_ptr, cs_ptr, t, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
+                           stride_m, KC, KM1P)
+        if h % GROUP == 0:
+            _conv_state_update(m_ptr, cs_old_ptr, cs_ptr, t, hk * DK + offs_k, k_ok, stride_m, KC, KM1P)
+            _conv_state_update(m_ptr, cs_old_ptr, cs_ptr, t, HK * DK + hk * DK + offs_k, k_ok, stride_m,
+                               KC, KM1P)
 
     head_rows = h.to(tl.int64) * T_pad + rows
     gam = tl.load(gam_ptr + head_rows)
@@ -216,13 +343,13 @@ def _gdn_chunk_output_kernel(
     o = o.to(act).to(tl.float32)                                 # the core output is stored in the dtype
     n = o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]
     n = n.to(act).to(tl.float32)
-    mask_v = valid[:, None] & (offs_v < DV)[None, :]
+    v_ok = offs_v < DV
     z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_z + h * DV + offs_v[None, :],
-                mask=mask_v, other=0.0).to(tl.float32)
-    nw = tl.load(norm_w_ptr + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
-    y = (nw[None, :] * n) * (z * tl.sigmoid(z))
+                mask=real[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    nw = tl.load(norm_w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    y = (nw[None, :] * n) * (z * tl.sigmoid(z))                  # 0 on inert rows (q = z = 0)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + h * DV + offs_v[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=mask_v)
+             y.to(out_ptr.dtype.element_ty), mask=(rows < T)[:, None] & v_ok[None, :])
 
 
 def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -232,44 +359,62 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
-def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
-                head_k_dim: int, head_v_dim: int, eps: float, chunk: int = 64,
-                config: Optional[dict] = None, table: Optional[str] = TUNING_PATH) -> torch.Tensor:
-    """GDN core + gated RMSNorm for T prompt tokens, continuing from `state` (updated in place).
+def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                conv_w: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor,
+                dt_bias: torch.Tensor, state: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor,
+                *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
+                chunk: int = 64, t_dev: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                table: Optional[str] = TUNING_PATH) -> torch.Tensor:
+    """Conv1d + SiLU, GDN core and gated RMSNorm for T prompt tokens, continuing from
+    `conv_state` and `state` (both updated in place).
 
-    qkv_conv [T, 2*Hk*dk + Hv*dv] (conv+SiLU output, [q | k | v]), z [T, Hv*dv], b, a [T, Hv]
-    (rows may be strided views), A_log [Hv], dt_bias [Hv], norm_w [dv], state fp32
-    [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller). Value head h uses key
-    head h // (Hv // Hk). Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the
-    activation dtype is allocated per call. Returns out. `config` (GDN_KEYS) overrides the
-    launch table: the tuner sweeps through it. `table`: the tile table file
-    (gemm.TUNING_PATH; None: the built-in configs only).
+    qkv [T, 2*Hk*dk + Hv*dv] (the raw projection [q | k | v], before the conv), z [T, Hv*dv],
+    b, a [T, Hv] (rows may be strided views), conv_w [conv_dim, Kc] and conv_state
+    [conv_dim, Kc-1] contiguous in qkv's dtype, A_log [Hv], dt_bias [Hv], norm_w [dv], state
+    fp32 [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller, not aliasing qkv).
+    Value head h uses key head h // (Hv // Hk). t_dev: a device int32 whose first element is
+    the number of real rows (the rest are inert padding, their output rows 0); None: all T.
+    Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the activation dtype is
+    allocated per call. Returns out. `config` (GDN_KEYS) overrides the launch table: the tuner
+    sweeps through it. `table`: the tile table file (gemm.TUNING_PATH; None: the built-in
+    configs only).
     """
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if min(hk, hv, dk, dv) <= 0 or hv % hk:
         raise ValueError("need num_v_heads a positive multiple of num_k_heads and positive dims")
     if chunk not in (16, 32, 64):
         raise ValueError("chunk must be 16, 32 or 64")
-    if qkv_conv.dim() != 2:
-        raise ValueError("qkv_conv must be [T, conv_dim]")
-    T = qkv_conv.shape[0]
-    act = qkv_conv.dtype
+    if qkv.dim() != 2:
+        raise ValueError("qkv must be [T, conv_dim]")
+    T = qkv.shape[0]
+    act = qkv.dtype
     if act not in FLOAT_DTYPES:
         raise TypeError(f"gdn_prefill supports {FLOAT_DTYPES}, got {act}")
-    _check_2d("qkv_conv", qkv_conv, T, 2 * hk * dk + hv * dv)
+    cd = 2 * hk * dk + hv * dv
+    _check_2d("qkv", qkv, T, cd)
     _check_2d("z", z, T, hv * dv)
     _check_2d("b", b, T, hv)
     _check_2d("a", a, T, hv)
     _check_2d("out", out, T, hv * dv)
     if z.dtype != act or out.dtype != act:
-        raise TypeError("z and out must have qkv_conv's dtype")
+        raise TypeError("z and out must have qkv's dtype")
+    if conv_w.dim() != 2 or conv_w.shape[0] != cd or conv_w.shape[1] < 2:
+        raise ValueError(f"conv_w must be [{cd}, Kc] with Kc >= 2, got {tuple(conv_w.shape)}")
+    kc = conv_w.shape[1]
+    if tuple(conv_state.shape) != (cd, kc - 1):
+        raise ValueError(f"conv_state must be [{cd}, {kc - 1}], got {tuple(conv_state.shape)}")
+    if conv_w.dtype != act or conv_state.dtype != act:
+        raise TypeError("conv_w and conv_state must have qkv's dtype")
+    if not (conv_w.is_contiguous() and conv_state.is_contiguous()):
+        raise ValueError("conv_w and conv_state must be contiguous")
     if tuple(state.shape) != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be contiguous float32 [{hv}, {dk}, {dv}]")
     for name, t, n in (("A_log", A_log, hv), ("dt_bias", dt_bias, hv), ("norm_w", norm_w, dv)):
         if t.dim() != 1 or t.shape[0] != n or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous vector of {n}")
+    if t_dev is not None and (t_dev.dtype != torch.int32 or t_dev.numel() < 1
+                              or t_dev.device != qkv.device):
+        raise ValueError("t_dev must be an int32 tensor of at least one element on qkv's device")
     if T == 0:
         return out
 
@@ -277,13 +422,14 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     dvp = max(16, next_pow2(dv))
     nt = cdiv(T, chunk)
     t_pad = nt * chunk
-    dev = qkv_conv.device
+    dev = qkv.device
     gam = torch.empty(hv, t_pad, dtype=torch.float32, device=dev)
     w_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
     kd_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
     u_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     vn_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
+    conv_old = torch.empty_like(conv_state)
 
     if config is not None:
         cfg = dict(config)
@@ -292,19 +438,23 @@ def gdn_prefill(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     bv = min(cfg["BV"], dvp)
     if bv < 16 or dvp % bv:
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
+    if cfg["solve"] not in (1, 2):
+        raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
     prec = dot_precision(act)
+    t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
+    conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
     _gdn_chunk_prepare_kernel[(nt, hv)](
-        qkv_conv, b, a, A_log, dt_bias, gam, w_buf, u_buf, kd_buf,
-        T, t_pad, qkv_conv.stride(0), b.stride(0), a.stride(0),
+        qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
+        T, t_pad, qkv.stride(0), b.stride(0), a.stride(0),
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BC=SUB_BLOCK,
-        DOT_PREC=prec, num_warps=cfg["prep_warps"])
+        SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
     _gdn_chunk_output_kernel[(nt, hv)](
-        qkv_conv, z, gam, vn_buf, h_buf, norm_w, out,
-        T, t_pad, nt, qkv_conv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
+        qkv, z, conv_w, conv_state, conv_old, t_arg, gam, vn_buf, h_buf, norm_w, out,
+        T, t_pad, nt, qkv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
-        num_warps=cfg["out_warps"])
+        num_warps=cfg["out_warps"], **conv)
     return out

@@ -7,7 +7,7 @@ kernel that follows the same plan agrees to accumulation-order noise.
 
 The decode references (one token) are pure: they return new tensors (outputs, and the updated
 states or caches) instead of writing in place, so a test can compare both. The prefill
-references (T tokens: gemm, conv1d, gdn_chunk, flash_attention) take the launcher's arguments,
+references (T tokens: gemm, gdn_chunk, flash_attention) take the launcher's arguments,
 write `out` (and update the states or caches in place) and return `out`. The GDN prefill
 reference is the token recurrence of spec section 6.4, not the chunked form: the chunk kernel
 is tested against T sequential steps.
@@ -314,28 +314,23 @@ def gemm_ref(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
 
 
 # ------------------------------------------------------------------------------------------
-# prefill causal depthwise conv1d + SiLU  (kernels/conv1d.py)
+# Gated DeltaNet prefill: conv1d + SiLU, gates, recurrence, gated RMSNorm  (kernels/gdn_chunk.py)
 # ------------------------------------------------------------------------------------------
 
-def causal_conv1d_ref(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
-    """out[t, c] = silu(sum_j w[c, j] * seq[t + j, c]) with seq = [conv_state^T | x] (oldest
-    first); afterwards conv_state holds the last Kc-1 rows of seq."""
-    T, C = x.shape
+def gdn_conv_ref(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of x [T, C] continuing from conv_state [C, Kc-1]:
+    silu(round(sum_j w[c, j] * seq[t + j, c])) with seq = [conv_state^T | x] (oldest first),
+    rounded to x's dtype and returned in fp32; afterwards conv_state holds the last Kc-1 rows
+    of seq."""
+    T = x.shape[0]
     kc = w.shape[1]
     seq = torch.cat([conv_state.t().float(), x.float()], dim=0)          # [Kc-1+T, C]
-    acc = torch.zeros(T, C, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     for j in range(kc):
         acc += seq[j:j + T] * w[:, j].float()
-    conv = _round(acc, out.dtype)
-    out.copy_(F.silu(conv).to(out.dtype))
     conv_state.copy_(seq[T:].t().to(conv_state.dtype))
-    return out
+    return _round(F.silu(_round(acc, x.dtype)), x.dtype)
 
-
-# ------------------------------------------------------------------------------------------
-# Gated DeltaNet prefill: gates, recurrence, gated RMSNorm  (kernels/gdn_chunk.py)
-# ------------------------------------------------------------------------------------------
 
 def gdn_gates_ref(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,18 +350,23 @@ def _gdn_output_norm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps:
     return ((w.float() * n) * F.silu(z.float())).to(dtype)
 
 
-def gdn_prefill_ref(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                    norm_w: torch.Tensor, out: torch.Tensor, *, num_k_heads: int,
-                    num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
-                    chunk: int = 64) -> torch.Tensor:
-    """T sequential steps of the gated delta rule (spec 6.3-6.5); `chunk` is accepted for
-    signature parity and ignored. state [Hv, dk, dv] fp32 is updated in place."""
+def gdn_prefill_ref(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    conv_w: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor, state: torch.Tensor, norm_w: torch.Tensor,
+                    out: torch.Tensor, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                    head_v_dim: int, eps: float, chunk: int = 64,
+                    t_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The conv (gdn_conv_ref) of the raw projection qkv, then T sequential steps of the gated
+    delta rule (spec 6.3-6.5); `chunk` is accepted for signature parity and ignored. Only the
+    first t = t_dev[0] rows (clamped to [0, T]; all T without t_dev) are real: they alone
+    enter conv_state and state (both updated in place); the output rows past them are 0."""
     del chunk
-    T = qkv_conv.shape[0]
+    T = qkv.shape[0] if t_dev is None else max(0, min(int(t_dev.reshape(-1)[0]), qkv.shape[0]))
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     group = hv // hk
     key_dim = hk * dk
+    qkv_conv = gdn_conv_ref(qkv[:T], conv_w, conv_state)
+    z, b, a = z[:T], b[:T], a[:T]
     q = qkv_conv[:, :key_dim].float().view(T, hk, dk)
     k = qkv_conv[:, key_dim:2 * key_dim].float().view(T, hk, dk)
     v = qkv_conv[:, 2 * key_dim:2 * key_dim + hv * dv].float().view(T, hv, dv)
@@ -383,8 +383,9 @@ def gdn_prefill_ref(qkv_conv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a:
         S = S + k[t][:, :, None] * delta[:, None, :]                     # rank-1 write
         o[t] = torch.einsum("hkv,hk->hv", S, q[t])                       # read the new state
     state.copy_(S)
-    y = _gdn_output_norm_ref(o, z.view(T, hv, dv), norm_w, eps, out.dtype)
-    out.copy_(y.reshape(T, hv * dv))
+    y = _gdn_output_norm_ref(o, z.reshape(T, hv, dv), norm_w, eps, out.dtype)
+    out.zero_()
+    out[:T] = y.reshape(T, hv * dv)
     return out
 
 

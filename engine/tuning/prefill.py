@@ -2,8 +2,8 @@
 
     python -m tritonchat.engine.tuning.prefill --out kernels/prefill_tuning.json [--quick]
 
-For every kernel family (the five GEMM shapes of the engine's merged projections, conv1d, the
-chunked GDN, flash attention) and every prompt length in T_BUCKETS it times a small grid of
+For every kernel family (the five GEMM shapes of the engine's merged projections, the chunked
+GDN with its conv, flash attention) and every prompt length in T_BUCKETS it times a small grid of
 launch configs with `triton.testing.do_bench`, keeps the fastest, and writes them to the JSON
 the launchers read (`gemm.tuned_config`). The GDN sweep also times its three launches alone
 with the winning knobs, so the table shows which one dominates. At the end it prints the
@@ -23,7 +23,6 @@ import torch
 
 from tritonchat.engine.config import qwen35_08b_config
 from tritonchat.kernels import _common
-from tritonchat.kernels import conv1d as conv_mod
 from tritonchat.kernels import flash_attention as attn_mod
 from tritonchat.kernels import gdn_chunk as gdn_mod
 from tritonchat.kernels import gemm as gemm_mod
@@ -52,18 +51,9 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool) -> list[dict]:
     return g
 
 
-def conv_grid(quick: bool, T: int) -> list[dict]:
-    g = _grid(BLOCK_T=[16, 32], BLOCK_C=[128, 256], ROW_TILES=[1, 4], num_warps=[4, 8])
-    if quick:
-        g = [c for c in g if c["num_warps"] == (8 if c["BLOCK_T"] * c["BLOCK_C"] >= 8192 else 4)]
-    if T <= 256:
-        g = [c for c in g if c["ROW_TILES"] == 1]
-    return g
-
-
 def gdn_grid(quick: bool) -> list[dict]:
     g = _grid(BV=[16, 32], prep_warps=[4, 8], state_warps=[4], state_stages=[2, 3],
-              out_warps=[4, 8])
+              out_warps=[4, 8], solve=[1, 2])
     if quick:
         g = [c for c in g if c["prep_warps"] == c["out_warps"]
              and (c["prep_warps"] == 8 or (c["BV"], c["state_stages"]) == (16, 2))
@@ -118,7 +108,6 @@ class Bench:
         self.gdn_proj = self.gemms["gdn qkvzba gemm"][2].normal_()
         self.conv_w = (torch.randn(cd, c.linear_conv_kernel_dim, device=dev) * 0.5).to(bf)
         self.conv_state = torch.zeros(cd, c.linear_conv_kernel_dim - 1, device=dev, dtype=bf)
-        self.conv_out = torch.empty(T, cd, device=dev, dtype=bf)
         self.A_log = torch.log(torch.empty(Hv, device=dev).uniform_(1, 16))
         self.dt_bias = torch.randn(Hv, device=dev).to(bf)
         self.norm_w = torch.ones(c.linear_value_head_dim, device=dev)
@@ -140,20 +129,15 @@ class Bench:
         W, x, out, res, silu, _ = self.gemms[name]
         return gemm_mod.gemm_kernel_name(out.shape[1], x.shape[1], res, silu)
 
-    def conv_fn(self, config):
-        cd = self.dims["cd"]
-        return lambda: conv_mod.causal_conv1d(self.gdn_proj[:, :cd], self.conv_w, self.conv_state,
-                                              self.conv_out, config=config, table=None)
-
     def gdn_fn(self, config):
         c, d = self.cfg, self.dims
         cd, vd, Hv = d["cd"], d["vd"], d["Hv"]
         p = self.gdn_proj
 
         def run():
-            gdn_mod.gdn_prefill(self.conv_out, p[:, cd:cd + vd], p[:, cd + vd:cd + vd + Hv],
-                                p[:, cd + vd + Hv:], self.A_log, self.dt_bias, self.rec, self.norm_w,
-                                self.gdn_out, num_k_heads=c.linear_num_key_heads, num_v_heads=Hv,
+            gdn_mod.gdn_prefill(p[:, :cd], p[:, cd + 2 * Hv:], p[:, cd:cd + Hv], p[:, cd + Hv:cd + 2 * Hv],
+                                self.conv_w, self.conv_state, self.A_log, self.dt_bias, self.rec,
+                                self.norm_w, self.gdn_out, num_k_heads=c.linear_num_key_heads, num_v_heads=Hv,
                                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim,
                                 eps=c.rms_norm_eps, config=config, table=None)
         return run
@@ -230,11 +214,6 @@ def tune(T_list, quick: bool, cfg=None) -> tuple[dict, list[str]]:
                 configs.setdefault(key, {})[str(T)] = (best, ms)
             rows.append((name, layers, ms, dms))
         n_gdn, n_attn = len(bench.cfg.linear_attention_layers), len(bench.cfg.full_attention_layers)
-        cd, kc = bench.dims["cd"], bench.cfg.linear_conv_kernel_dim
-        best, ms, dms = _sweep("gdn conv1d", bench.conv_fn, conv_grid(quick, T), quick)
-        if best is not None and ms < dms:
-            configs.setdefault(conv_mod.conv_kernel_name(cd, kc), {})[str(T)] = (best, ms)
-        rows.append(("gdn conv1d", n_gdn, ms, dms))
         best, ms, dms = _sweep("gdn chunk", bench.gdn_fn, gdn_grid(quick), quick)
         if best is not None and ms < dms:
             c = bench.cfg

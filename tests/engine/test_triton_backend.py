@@ -300,6 +300,25 @@ def test_interpreter_prefill_across_chunk_boundaries_and_multiturn(ckpt):
     assert r3.token_ids == fresh.generate(p3, GREEDY, max_new_tokens=3).token_ids
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter twin")
+def test_interpreter_prefill_in_several_chunks_equals_reference(ckpt, monkeypatch):
+    """A prompt longer than PREFILL_CHUNK runs in pieces, each continuing from the conv and
+    recurrent states the previous one left (inside the GDN kernels): pieces of 24 tokens, the
+    last one short, against the reference."""
+    if "odd" in str(ckpt):
+        pytest.skip("one checkpoint is enough here (the interpreter is slow)")
+    from tritonchat.engine import triton_prefill
+    monkeypatch.setattr(triton_prefill, "PREFILL_CHUNK", 24)
+    cfg, ref, tri = _pair(ckpt, graph=False)
+    prompt = [(11 * i + 5) % 200 + 1 for i in range(58)]
+    ref.prefill(prompt)
+    tri.prefill(prompt)
+    torch.testing.assert_close(tri.logits(), ref.logits(), rtol=1e-4, atol=5e-4)
+    for i in ref.state.conv:
+        torch.testing.assert_close(tri.state.conv[i], ref.state.conv[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(tri.state.rec[i], ref.state.rec[i], rtol=1e-4, atol=1e-4)
+
+
 def _warm_up_leaves_no_trace(ckpt, device, dtype, graph, prompt_lengths):
     """warm_up compiles and (with the graph) captures, reports kernels/graph progress, and
     leaves the engine as if freshly loaded: the same tokens as without a warm-up, greedy and

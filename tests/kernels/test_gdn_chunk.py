@@ -1,16 +1,20 @@
-"""kernels/gdn_chunk.py: chunked Gated DeltaNet prefill (WY form) against T recurrent steps of
-reference.gdn_prefill_ref."""
+"""kernels/gdn_chunk.py: the causal conv1d + SiLU and the chunked Gated DeltaNet prefill (WY
+form) of the raw projection, against the conv and T recurrent steps of
+reference.gdn_prefill_ref: outputs, recurrent state and conv state, from start states that are
+not zero, with inert padding rows (t_dev)."""
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tritonchat.kernels.gdn_chunk import gdn_prefill
-from tritonchat.kernels.reference import gdn_gates_ref, gdn_prefill_ref
+from tritonchat.kernels.reference import gdn_conv_ref, gdn_gates_ref, gdn_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# length 1 and the chunk boundaries 63/64/65 in the fast run; the rest of the sweep is slow
-T_LIST = [1, 63, 64, 65] + [pytest.param(t, marks=pytest.mark.slow) for t in (2, 3, 4, 127, 200)]
+# lengths 1 and 2 (shorter than the conv window), the chunk boundaries 63/64/65 and three
+# chunks in the fast run; the rest of the sweep is slow
+T_LIST = [1, 2, 63, 64, 65, 130] + [pytest.param(t, marks=pytest.mark.slow) for t in (3, 4, 127, 200)]
 # grouped value heads (Hv = 2 Hk), dk != dv, neither a power of two
 SMALL = dict(num_k_heads=2, num_v_heads=4, head_k_dim=24, head_v_dim=40)
 
@@ -30,10 +34,15 @@ def _assert_close(x, ref, dtype):
     assert rel < 5e-3 and worst < 3e-2, f"relative L2 error {rel:.2e}, worst element {worst:.2e}"
 
 
-def _inputs(T, dims, dtype, seed, decay="mixed", state_scale=0.5):
+def _inputs(T, dims, dtype, seed, decay="mixed", state_scale=0.5, kc=4):
+    """(qkv raw projection, z, b, a, conv_w, conv_state, A_log, dt_bias, state, norm_w), both
+    states random (a later turn)."""
     hk, hv, dk, dv = dims["num_k_heads"], dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
+    cd = 2 * hk * dk + hv * dv
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=g)
+    qkv = torch.randn(T, cd, generator=g)
+    conv_w = torch.randn(cd, kc, generator=g) * 0.5
+    conv_state = torch.randn(cd, kc - 1, generator=g)
     z = torch.randn(T, hv * dv, generator=g)
     b = torch.randn(T, hv, generator=g) * 2
     a = torch.randn(T, hv, generator=g) * 2
@@ -48,24 +57,33 @@ def _inputs(T, dims, dtype, seed, decay="mixed", state_scale=0.5):
     norm_w = torch.rand(dv, generator=g) + 0.5
     state = torch.randn(hv, dk, dv, generator=g) * state_scale
     cast = lambda t: t.to(DEVICE, dtype)
-    return (cast(qkv), cast(z), cast(b), cast(a), A_log.to(DEVICE), cast(dt_bias),
-            state.to(DEVICE), norm_w.to(DEVICE))
+    return (cast(qkv), cast(z), cast(b), cast(a), cast(conv_w), cast(conv_state), A_log.to(DEVICE),
+            cast(dt_bias), state.to(DEVICE), norm_w.to(DEVICE))
 
 
 def _run(fn, inputs, dims, eps=1e-6, **kw):
-    qkv, z, b, a, A_log, dt_bias, state, norm_w = inputs
-    st = state.clone()
+    """(out, recurrent state, conv state) after fn, run on copies of the inputs' states."""
+    qkv, z, b, a, conv_w, conv_state, A_log, dt_bias, state, norm_w = inputs
+    st, cst = state.clone(), conv_state.clone()
     out = torch.full_like(z, float("nan"))
-    fn(qkv, z, b, a, A_log, dt_bias, st, norm_w, out, eps=eps, **dims, **kw)
-    return out, st
+    fn(qkv, z, b, a, conv_w, cst, A_log, dt_bias, st, norm_w, out, eps=eps, **dims, **kw)
+    return out, st, cst
+
+
+def _rows(inputs, lo, hi, conv_state=None, state=None):
+    """The inputs of rows lo..hi-1, continuing from the given states (default the inputs')."""
+    qkv, z, b, a, conv_w, cst, A_log, dt_bias, st, norm_w = inputs
+    return (qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], conv_w, cst if conv_state is None else conv_state,
+            A_log, dt_bias, st if state is None else state, norm_w)
 
 
 def _check(inputs, dims, dtype, **kw):
-    out, st = _run(gdn_prefill, inputs, dims, **kw)
-    ref, st_ref = _run(gdn_prefill_ref, inputs, dims)
+    out, st, cst = _run(gdn_prefill, inputs, dims, **kw)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, dims, t_dev=kw.get("t_dev"))
     _assert_close(out, ref, dtype)
     _assert_close(st, st_ref, dtype)
-    return out, st
+    assert torch.equal(cst, cst_ref)                      # the conv state is copied, not computed
+    return out, st, cst
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -84,8 +102,8 @@ def test_gdn_decay_extremes(T, decay):
 @pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 32])
 def test_gdn_smaller_chunks(chunk):
     inputs = _inputs(70, SMALL, torch.float32, seed=3)
-    out, st = _check(inputs, SMALL, torch.float32, chunk=chunk)
-    out64, st64 = _run(gdn_prefill, inputs, SMALL)
+    out, st, _ = _check(inputs, SMALL, torch.float32, chunk=chunk)
+    out64, st64, _ = _run(gdn_prefill, inputs, SMALL)
     _assert_close(out, out64, torch.float32)
     _assert_close(st, st64, torch.float32)
 
@@ -94,8 +112,21 @@ def test_gdn_smaller_chunks(chunk):
 def test_gdn_state_pass_v_tiles(bv):
     """The tuner's override path: the sequential state pass split into dv / BV programs."""
     inputs = _inputs(70, SMALL, torch.float32, seed=30 + bv)
-    cfg = dict(BV=bv, prep_warps=4, state_warps=4, state_stages=2, out_warps=4)
+    cfg = dict(BV=bv, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=1)
     _check(inputs, SMALL, torch.float32, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,chunk", [(1, 64), (65, 64), (130, 64), (40, 32), pytest.param(40, 16, marks=pytest.mark.slow)])
+def test_gdn_batched_block_solve(T, chunk, dtype):
+    """solve = 2 (the diagonal blocks inverted as a batch of 16 x 16) against the reference,
+    and against solve = 1 to summation-order noise."""
+    inputs = _inputs(T, SMALL, dtype, seed=50 + T)
+    cfg = dict(BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4)
+    out, st, _ = _check(inputs, SMALL, dtype, chunk=chunk, config=dict(cfg, solve=2))
+    out1, st1, _ = _run(gdn_prefill, inputs, SMALL, chunk=chunk, config=dict(cfg, solve=1))
+    _assert_close(out, out1, dtype)
+    _assert_close(st, st1, dtype)
 
 
 def test_gdn_power_of_two_heads_ungrouped():
@@ -110,54 +141,102 @@ def test_gdn_group_of_four_tiny_dims():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split", [(64, 1), (63, 2), pytest.param((1, 64), marks=pytest.mark.slow),
+@pytest.mark.parametrize("split", [(64, 1), (63, 2), (2, 65), pytest.param((1, 64), marks=pytest.mark.slow),
                                    pytest.param((3, 130), marks=pytest.mark.slow)])
 def test_gdn_continuation_equals_one_prefill(split, dtype):
-    """prefill(x1) then prefill(x2) from its final state == prefill([x1 | x2]); the padded rows
-    of x1's last chunk must not leak into the state handed over."""
+    """prefill(x1) then prefill(x2) from its final states == prefill([x1 | x2]) (a later turn,
+    or the next PREFILL_CHUNK): x2's first rows convolve x1's last inputs, read from the conv
+    state, and the padded rows of x1's last chunk must not leak into the states handed over."""
     t1, t2 = split
     inputs = _inputs(t1 + t2, SMALL, dtype, seed=t1 + 100 * t2)
-    whole, st_whole = _run(gdn_prefill, inputs, SMALL)
-    qkv, z, b, a, A_log, dt_bias, state, norm_w = inputs
-    first = (qkv[:t1], z[:t1], b[:t1], a[:t1], A_log, dt_bias, state, norm_w)
-    out1, st1 = _run(gdn_prefill, first, SMALL)
-    second = (qkv[t1:], z[t1:], b[t1:], a[t1:], A_log, dt_bias, st1, norm_w)
-    out2, st2 = _run(gdn_prefill, second, SMALL)
+    whole, st_whole, cst_whole = _run(gdn_prefill, inputs, SMALL)
+    out1, st1, cst1 = _run(gdn_prefill, _rows(inputs, 0, t1), SMALL)
+    out2, st2, cst2 = _run(gdn_prefill, _rows(inputs, t1, t1 + t2, cst1, st1), SMALL)
     _assert_close(torch.cat([out1, out2]), whole, dtype)
     _assert_close(st2, st_whole, dtype)
+    assert torch.equal(cst2, cst_whole)
+
+
+@pytest.mark.parametrize("T,t", [(64, 0), (64, 1), (64, 2), (64, 40), (128, 63), (128, 64), (128, 65),
+                                 (128, 128), pytest.param(192, 130, marks=pytest.mark.slow)])
+def test_gdn_padding_rows_are_inert(T, t):
+    """Rows >= t_dev[0] are padding: the states and the real rows' outputs are those of the t
+    real rows alone (reference, and the kernel without padding), the pad rows' outputs 0."""
+    inputs = _inputs(T, SMALL, torch.float32, seed=T + t)
+    t_dev = torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev)
+    assert torch.all(out[t:] == 0)
+    if t:
+        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL)
+        _assert_close(out[:t], alone, torch.float32)
+        _assert_close(st, st_alone, torch.float32)
+        assert torch.equal(cst, cst_alone)
+    else:
+        assert torch.equal(st, inputs[8]) and torch.equal(cst, inputs[5])
+
+
+def test_gdn_padding_count_past_the_rows_reads_as_all():
+    """t_dev[0] > T reads as T."""
+    inputs = _inputs(20, SMALL, torch.float32, seed=4)
+    out, st, cst = _check(inputs, SMALL, torch.float32,
+                          t_dev=torch.tensor([50], dtype=torch.int32, device=DEVICE))
+    alone, st_alone, cst_alone = _run(gdn_prefill, inputs, SMALL)
+    assert torch.equal(out, alone) and torch.equal(st, st_alone) and torch.equal(cst, cst_alone)
+
+
+@pytest.mark.parametrize("kc", [2, 3, 5])
+@pytest.mark.parametrize("T", [1, 3, 65])
+def test_gdn_conv_kernel_sizes(T, kc):
+    _check(_inputs(T, SMALL, torch.float32, seed=10 * kc + T, kc=kc), SMALL, torch.float32)
+
+
+def test_conv_reference_is_pytorch_conv1d():
+    """The conv reference equals F.conv1d (cross-correlation, left padding Kc-1) + SiLU on a
+    zero state, and keeps the last Kc-1 inputs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 16, generator=g).to(DEVICE)
+    w = (torch.randn(16, 4, generator=g) * 0.5).to(DEVICE)
+    st = torch.zeros(16, 3, device=DEVICE)
+    ref = gdn_conv_ref(x, w, st)
+    y = F.conv1d(x.t()[None], w[:, None, :], padding=3, groups=16)[0, :, :37].t()
+    torch.testing.assert_close(ref, F.silu(y), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st, x[-3:].t())
 
 
 def test_gdn_strided_views_of_merged_projections():
-    """qkv/z and b/a as column views of the merged qkvz and ba projection outputs."""
+    """qkv, b, a, z as column views of one merged projection output [qkv | b | a | z] (the
+    engine's layout), out a column view of a wider buffer."""
     T = 70
     inputs = _inputs(T, SMALL, torch.float32, seed=21)
-    qkv, z, b, a, A_log, dt_bias, state, norm_w = inputs
-    qkvz = torch.cat([qkv, z], dim=1)
-    ba = torch.cat([b, a], dim=1)
-    hv = SMALL["num_v_heads"]
-    views = (qkvz[:, :qkv.shape[1]], qkvz[:, qkv.shape[1]:], ba[:, :hv], ba[:, hv:], A_log, dt_bias,
-             state, norm_w)
+    qkv, z, b, a, conv_w, cst, A_log, dt_bias, st, norm_w = inputs
+    hv, cd = SMALL["num_v_heads"], qkv.shape[1]
+    proj = torch.cat([qkv, b, a, z], dim=1)
+    views = (proj[:, :cd], proj[:, cd + 2 * hv:], proj[:, cd:cd + hv], proj[:, cd + hv:cd + 2 * hv])
     out_buf = torch.zeros(T, z.shape[1] + 6, device=DEVICE)
-    st = state.clone()
-    gdn_prefill(*views[:6], st, norm_w, out_buf[:, 3:3 + z.shape[1]], eps=1e-6, **SMALL)
-    ref, st_ref = _run(gdn_prefill_ref, inputs, SMALL)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, SMALL)
+    st, cst = st.clone(), cst.clone()
+    gdn_prefill(*views, conv_w, cst, A_log, dt_bias, st, norm_w, out_buf[:, 3:3 + z.shape[1]],
+                eps=1e-6, **SMALL)
     _assert_close(out_buf[:, 3:3 + z.shape[1]], ref, torch.float32)
     _assert_close(st, st_ref, torch.float32)
+    assert torch.equal(cst, cst_ref)
     assert torch.all(out_buf[:, :3] == 0) and torch.all(out_buf[:, 3 + z.shape[1]:] == 0)
 
 
 def test_reference_matches_transformers():
-    """The recurrent reference against HF's own fp32 recurrence + RMSNormGated (the oracle)."""
+    """The recurrent reference against HF's own fp32 recurrence + RMSNormGated (the oracle),
+    on the conv reference's output (itself checked against F.conv1d above)."""
     mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     T = 9
     dims = SMALL
     hk, hv, dk, dv = 2, 4, 24, 40
     inputs = _inputs(T, dims, torch.float32, seed=5)
-    qkv, z, b, a, A_log, dt_bias, state, norm_w = inputs
-    ref, st_ref = _run(gdn_prefill_ref, inputs, dims)
-    q = qkv[:, :hk * dk].view(1, T, hk, dk)
-    k = qkv[:, hk * dk:2 * hk * dk].view(1, T, hk, dk)
-    v = qkv[:, 2 * hk * dk:].view(1, T, hv, dv)
+    qkv, z, b, a, conv_w, conv_state, A_log, dt_bias, state, norm_w = inputs
+    ref, st_ref, _ = _run(gdn_prefill_ref, inputs, dims)
+    x = gdn_conv_ref(qkv, conv_w, conv_state.clone())
+    q = x[:, :hk * dk].view(1, T, hk, dk)
+    k = x[:, hk * dk:2 * hk * dk].view(1, T, hk, dk)
+    v = x[:, 2 * hk * dk:].view(1, T, hv, dv)
     beta, g = gdn_gates_ref(b, a, A_log, dt_bias)
     core, st_hf = mod.torch_recurrent_gated_delta_rule(
         q, k, v, g[None], beta[None], initial_state=state[None].clone(), output_final_state=True,
@@ -172,21 +251,32 @@ def test_reference_matches_transformers():
 
 def test_gdn_rejects_bad_arguments():
     inputs = _inputs(5, SMALL, torch.float32, seed=0)
-    qkv, z, b, a, A_log, dt_bias, state, norm_w = inputs
+    qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w = inputs
     out = torch.empty_like(z)
+    kw = dict(eps=1e-6, **SMALL)
     with pytest.raises(ValueError):
-        gdn_prefill(qkv, z, b, a, A_log, dt_bias, state.half(), norm_w, out, eps=1e-6, **SMALL)
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state.half(), norm_w, out, **kw)
     with pytest.raises(ValueError):
-        gdn_prefill(qkv[:, 1:], z, b, a, A_log, dt_bias, state, norm_w, out, eps=1e-6, **SMALL)
+        gdn_prefill(qkv[:, 1:], z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, **kw)
     with pytest.raises(ValueError):
-        gdn_prefill(qkv, z, b, a, A_log, dt_bias, state, norm_w, out, eps=1e-6, chunk=48, **SMALL)
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, chunk=48, **kw)
     with pytest.raises(ValueError):
-        gdn_prefill(qkv, z, b, a, A_log, dt_bias, state, norm_w, out, eps=1e-6,
-                    **dict(SMALL, num_v_heads=3))
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
+                    **dict(kw, num_v_heads=3))
+    with pytest.raises(ValueError):
+        gdn_prefill(qkv, z, b, a, conv_w, cst[:, :2].contiguous(), A_log, dt_bias, state, norm_w, out, **kw)
+    with pytest.raises(TypeError):
+        gdn_prefill(qkv, z, b, a, conv_w.half(), cst, A_log, dt_bias, state, norm_w, out, **kw)
+    with pytest.raises(ValueError):
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, config=dict(
+            BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=3), **kw)
+    with pytest.raises(ValueError):                                         # t_dev must be int32
+        gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
+                    t_dev=torch.tensor([3], device=DEVICE), **kw)
 
 
 # ------------------------------------------------------------------------------------------
-# GPU twins: bf16, the true 0.8B GDN shape (16 heads, dk = dv = 128)
+# GPU twins: bf16, the true 0.8B GDN shape (16 heads, dk = dv = 128, conv_dim 6144, Kc = 4)
 # ------------------------------------------------------------------------------------------
 TRUE = dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128)
 
@@ -199,11 +289,24 @@ def _rel_err(x, ref):
 @pytest.mark.parametrize("T", [2048, 32768])
 def test_gdn_true_shape_bf16(T):
     inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
-    out, st = _run(gdn_prefill, inputs, TRUE)
-    ref, st_ref = _run(gdn_prefill_ref, inputs, TRUE)      # fp32 recurrence, output rounded
+    out, st, cst = _run(gdn_prefill, inputs, TRUE)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, TRUE)      # fp32 recurrence, output rounded
     assert torch.isfinite(out).all() and torch.isfinite(st).all()
+    assert torch.equal(cst, cst_ref)
     # A torch emulation of this kernel's bf16 rounding points gives 5.5e-3 / 2.4e-3 relative L2
     # error (output / state) and a worst element of 1.7e-2 of the largest at T = 2048.
     assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
     assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
     assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()
+
+
+@pytest.mark.gpu
+def test_gdn_padded_true_shape_bf16():
+    """The prefill graph's form: 2,048 rows of which 1,500 are real, equal to the 1,500 alone."""
+    T, t = 2048, 1500
+    inputs = _inputs(T, TRUE, torch.bfloat16, seed=9)
+    out, st, cst = _run(gdn_prefill, inputs, TRUE, t_dev=torch.tensor([t], dtype=torch.int32, device=DEVICE))
+    alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), TRUE)
+    assert torch.all(out[t:] == 0)
+    assert _rel_err(out[:t], alone) < 1e-3 and _rel_err(st, st_alone) < 1e-3
+    assert torch.equal(cst, cst_alone)

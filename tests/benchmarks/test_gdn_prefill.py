@@ -1,0 +1,48 @@
+"""benchmarks/gdn_prefill.py (issue #60, the GDN layer's prefill kernels old vs new) without a
+GPU: the script's tiny run under the interpreter, plain and padded, new against the old kernels
+(main's files at OLD_REV, from git) where the history is there, and against the reference."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gdn_prefill.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gdn_prefill_bench_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+B = _load()
+
+
+def _have_old_rev() -> bool:
+    r = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{B.OLD_REV}:kernels/conv1d.py"],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter smoke run is for the CPU")
+@pytest.mark.parametrize("old", [True, False], ids=["old_vs_new", "new_only"])
+def test_script_tiny_run(capsys, old):
+    if old and not _have_old_rev():
+        pytest.skip(f"no git history with {B.OLD_REV} here")
+    argv = ["--device", "cpu", "--tiny", "--T", "70", "--pad", "40"]
+    rc = B.main(argv + ([] if old else ["--old-rev", "none"]))
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and res["ok"]
+    for form, t in (("plain", 70), ("padded", 30)):
+        r = res["results"][0][form]
+        assert r["t"] == t and r["new_vs_ref"]["conv_equal"] and r["new_vs_ref"]["out_rel"] < 1e-4
+        assert ("new_vs_old" in r) == old
+        if old:     # the same fp32 math in the same order: the conv moved, nothing else changed
+            assert r["new_vs_old"]["bitwise"], r["new_vs_old"]
