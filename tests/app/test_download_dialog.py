@@ -28,6 +28,7 @@ from tritonchat.app.download_dialog import DownloadDialog, format_bytes, format_
 from tritonchat.engine.errors import DownloadError
 
 REPO = "Qwen/Qwen3.5-0.8B"
+PINNED = "0123456789abcdef0123456789abcdef01234567"
 SHARD = "model.safetensors-00001-of-00001.safetensors"
 
 
@@ -97,17 +98,17 @@ class FakeHub:
 
     def module(self) -> types.ModuleType:
         hub = types.ModuleType("tritonchat.engine.hub")
-        hub.DEFAULT_MODEL = REPO
+        hub.DEFAULT_MODEL, hub.DEFAULT_REVISION = REPO, PINNED
         hub.DownloadPlan, hub.DownloadProgress = DownloadPlan, DownloadProgress
         hub.model_cache_dir = lambda: self.cache
-        hub.local_model_dir = lambda repo_id=REPO, revision="main", cache_dir=None: (
+        hub.local_model_dir = lambda repo_id=REPO, revision=PINNED, cache_dir=None: (
             self.dest if self.have() == self.total else None)
         hub.plan_download = self.plan_download
-        hub.DownloadProcess = lambda repo_id=REPO, revision="main", cache_dir=None: (
+        hub.DownloadProcess = lambda repo_id=REPO, revision=PINNED, cache_dir=None: (
             FakeProcess(self))
         return hub
 
-    def plan_download(self, repo_id=REPO, revision="main", cache_dir=None):
+    def plan_download(self, repo_id=REPO, revision=PINNED, cache_dir=None):
         if self.plan_gate is not None:
             self.plan_gate.wait(10)
         if self.offline:
@@ -247,6 +248,7 @@ def test_planning_does_not_block_the_gui(qtbot, fake):
 
 def test_plan_shows_size_and_destination(qtbot, fake):
     dlg = open_dialog(qtbot)
+    assert dlg.revision == PINNED                    # the hub module's pinned commit, no other
     assert format_bytes(fake.total) in dlg.info_label.text()
     assert "3 files" in dlg.info_label.text()
     assert str(fake.dest) in dlg.dest_label.text()
