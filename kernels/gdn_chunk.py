@@ -525,6 +525,17 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
+def gdn_launches(cfg: dict) -> list[tuple[str, object]]:
+    """(name, kernel) of the launches gdn_prefill runs with the full config cfg, in order (for
+    timing them one by one)."""
+    if cfg["prep_split"] == 1:
+        prep = [("prepare", _gdn_chunk_prepare_kernel)]
+    else:
+        prep = [("inverse", _gdn_chunk_inverse_kernel), ("w_u", _gdn_chunk_wu_kernel)]
+    state = _gdn_chunk_state_kernel if cfg["state_form"] == 1 else _gdn_chunk_state_halves_kernel
+    return prep + [("state", state), ("output", _gdn_chunk_output_kernel)]
+
+
 def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                 conv_w: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor,
                 dt_bias: torch.Tensor, state: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor,
