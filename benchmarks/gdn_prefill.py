@@ -6,7 +6,7 @@ the conv inside (three launches, pads inert from a device row count). One proces
 Qwen3.5-0.8B GDN shape (16 key / 16 value heads, dk = dv = 128, conv_dim 6144, Kc = 4, bf16),
 each T in --T, plus the launch-config alternatives of the new kernels (the batched
 diagonal-block solve, 8 prepare warps, the prepare in two launches, the state pass on two K
-halves with the next chunk's tiles loaded ahead, and both; each with its launch split);
+halves with the next chunk's tiles loaded ahead, and both; each with its launch split and, from the device's compile, registers and spills);
 checks new == old numerically (real rows' outputs,
 both states) and, at T <= --ref-max-T, new against the PyTorch reference
 (kernels/reference.gdn_prefill_ref).
@@ -224,6 +224,33 @@ def _split(kernels, make, args) -> list[float]:
     return [times[0]] + [b - a for a, b in zip(times, times[1:])]
 
 
+def _regs_spills(mod, cfg: dict, fn) -> dict:
+    """{launch: (registers, spilled bytes)} of the kernels one call of fn compiles or reuses
+    with cfg, on the device's own Triton (a launch returns its compiled kernel)."""
+    stats = {}
+    launches = mod.gdn_launches(cfg)
+    saved = [k.run for _, k in launches]
+
+    def capture(name, run):
+        def wrapped(*a, **kw):
+            ck = run(*a, **kw)
+            try:
+                ck._init_handles()
+                stats[name] = (int(ck.n_regs), int(ck.n_spills))
+            except (AttributeError, TypeError, ValueError):    # not a compiled kernel: no numbers
+                pass
+            return ck
+        return wrapped
+    try:
+        for (name, k), run in zip(launches, saved):
+            k.run = capture(name, run)
+        fn()
+    finally:
+        for (_, k), run in zip(launches, saved):
+            k.run = run
+    return stats
+
+
 def _rel(x, ref) -> float:
     x, ref = x.float(), ref.float()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -277,6 +304,7 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
                 if args.device != "cpu":
                     names, k = zip(*new_mod.gdn_launches(cfg))
                     v["split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L, None, cfg), args)))
+                    v["regs_spills"] = _regs_spills(new_mod, cfg, new_fn(new_mod, L, None, cfg))
         if args.device != "cpu" and form == "plain":
             names, k = zip(*new_mod.gdn_launches(new_mod.gdn_config(L.hv, L.dims["head_k_dim"],
                                                                    L.dims["head_v_dim"], T)))
@@ -308,6 +336,9 @@ def _print(res: dict, n_layers: int) -> None:
                      if "split_ms" in v else "")
             print(f"    new {name:16s} {v['ms'] * 1e3:8.1f} us  (out rel to the picked config "
                   f"{v['vs_picked']['out_rel']:.1e}){split}  {v['config']}")
+            if "regs_spills" in v:
+                print("        regs / spilled bytes: " + ", ".join(
+                    f"{k} {r} / {sp}" for k, (r, sp) in v["regs_spills"].items()))
         for key in ("new_vs_old", "new_vs_ref"):
             if key in r:
                 c = r[key]
