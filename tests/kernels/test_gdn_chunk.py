@@ -387,3 +387,20 @@ def test_gdn_padded_true_shape_bf16():
     assert torch.all(out[t:] == 0)
     assert _rel_err(out[:t], alone) < 1e-3 and _rel_err(st, st_alone) < 1e-3
     assert torch.equal(cst, cst_alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
+def test_gdn_prep_split_and_state_form_true_shape_bf16(prep_split, state_form):
+    """The new variants in bf16 at the true shape: Tinv stored in bf16 (prep_split = 2) must
+    keep the default path's error bounds against the fp32 recurrence."""
+    T = 2048
+    inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
+    cfg = dict(_BASE_CFG, BV=32, state_warps=8, prep_split=prep_split, state_form=state_form)
+    out, st, cst = _run(gdn_prefill, inputs, TRUE, config=cfg)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, TRUE)
+    assert torch.isfinite(out).all() and torch.isfinite(st).all()
+    assert torch.equal(cst, cst_ref)
+    assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
+    assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
+    assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()
