@@ -5,7 +5,9 @@ conv state, two index_selects and a where), against today's kernels.gdn_chunk.gd
 the conv inside (three launches, pads inert from a device row count). One process, the true
 Qwen3.5-0.8B GDN shape (16 key / 16 value heads, dk = dv = 128, conv_dim 6144, Kc = 4, bf16),
 each T in --T, plus the launch-config alternatives of the new kernels (the batched
-diagonal-block solve, 8 prepare warps); checks new == old numerically (real rows' outputs,
+diagonal-block solve, 8 prepare warps, the prepare in two launches, the state pass on two K
+halves with the next chunk's tiles loaded ahead, and both; each with its launch split and, from the device's compile, registers and spills);
+checks new == old numerically (real rows' outputs,
 both states) and, at T <= --ref-max-T, new against the PyTorch reference
 (kernels/reference.gdn_prefill_ref).
 
@@ -41,7 +43,7 @@ OLD_FILES = ("conv1d.py", "gdn_chunk.py")
 # main's tuned conv tiles at T = 2048 and 8192 on the H200 (its table entry went with the kernel)
 OLD_CONV_CONFIG = dict(BLOCK_C=128, BLOCK_T=32, ROW_TILES=1, num_warps=4)
 TRUE = dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, kc=4)
-TINY = dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, kc=4)
+TINY = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=24, kc=4)   # dk 32: state_form 2 runs
 
 
 def parse_args(argv=None):
@@ -121,13 +123,24 @@ def new_fn(mod, L: Layer, t_dev=None, config=None):
 
 def new_variants(mod, L: Layer) -> dict:
     """The launch config gdn_prefill picks at this T (table or built-in) and the alternatives
-    to time against it: the batched diagonal-block solve, 8 prepare warps (fewer spills)."""
+    to time against it: the batched diagonal-block solve, 8 prepare warps (fewer spills), the
+    prepare split in two launches (prep_split = 2), the state pass on two K halves with the
+    next chunk's tiles loaded ahead (state_form = 2, also with wider V tiles and 8 warps: a
+    [64, BV] half fits in registers), and the two together."""
     d = L.dims
-    dkp, dvp = (max(16, mod.next_pow2(d[k])) for k in ("head_k_dim", "head_v_dim"))
-    cfg = (mod.tuned_config(mod.gdn_kernel_name(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"]), L.T,
-                            mod.GDN_KEYS, mod.TUNING_PATH) or mod._gdn_default_config(dkp, dvp))
-    return {"picked": cfg, "solve2": dict(cfg, solve=2), "prep8": dict(cfg, prep_warps=8),
-            "solve2_prep8": dict(cfg, solve=2, prep_warps=8)}
+    cfg = mod.gdn_config(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"], L.T)
+    v = {"picked": cfg, "solve2": dict(cfg, solve=2), "prep8": dict(cfg, prep_warps=8),
+         "solve2_prep8": dict(cfg, solve=2, prep_warps=8),
+         "split2": dict(cfg, prep_split=2), "split2_prep8": dict(cfg, prep_split=2, prep_warps=8),
+         "split2_solve2": dict(cfg, prep_split=2, solve=2)}
+    if max(16, mod.next_pow2(d["head_k_dim"])) >= 32:          # state_form 2 halves the padded dk
+        v.update({"state2": dict(cfg, state_form=2),
+                  "state2_w8": dict(cfg, state_form=2, state_warps=8),
+                  "state2_bv32_w8": dict(cfg, state_form=2, BV=32, state_warps=8),
+                  "state2_bv64_w8": dict(cfg, state_form=2, BV=64, state_warps=8),
+                  "split2_state2": dict(cfg, prep_split=2, state_form=2),
+                  "split2_state2_w8": dict(cfg, prep_split=2, state_form=2, state_warps=8)})
+    return v
 
 
 def old_fn(conv_mod, gdn_mod, L: Layer, t_dev=None):
@@ -211,6 +224,33 @@ def _split(kernels, make, args) -> list[float]:
     return [times[0]] + [b - a for a, b in zip(times, times[1:])]
 
 
+def _regs_spills(mod, cfg: dict, fn) -> dict:
+    """{launch: (registers, spilled bytes)} of the kernels one call of fn compiles or reuses
+    with cfg, on the device's own Triton (a launch returns its compiled kernel)."""
+    stats = {}
+    launches = mod.gdn_launches(cfg)
+    saved = [k.run for _, k in launches]
+
+    def capture(name, run):
+        def wrapped(*a, **kw):
+            ck = run(*a, **kw)
+            try:
+                ck._init_handles()
+                stats[name] = (int(ck.n_regs), int(ck.n_spills))
+            except (AttributeError, TypeError, ValueError):    # not a compiled kernel: no numbers
+                pass
+            return ck
+        return wrapped
+    try:
+        for (name, k), run in zip(launches, saved):
+            k.run = capture(name, run)
+        fn()
+    finally:
+        for (_, k), run in zip(launches, saved):
+            k.run = run
+    return stats
+
+
 def _rel(x, ref) -> float:
     x, ref = x.float(), ref.float()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -261,10 +301,14 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
                 new_fn(new_mod, L, None, cfg)()
                 v = r["variants"][name] = dict(config=cfg, vs_picked=_compare(_result(L, t), got))
                 v["ms"] = _ms(new_fn(new_mod, L, None, cfg), args, graph=True)
+                if args.device != "cpu":
+                    names, k = zip(*new_mod.gdn_launches(cfg))
+                    v["split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L, None, cfg), args)))
+                    v["regs_spills"] = _regs_spills(new_mod, cfg, new_fn(new_mod, L, None, cfg))
         if args.device != "cpu" and form == "plain":
-            k = [new_mod._gdn_chunk_prepare_kernel, new_mod._gdn_chunk_state_kernel,
-                 new_mod._gdn_chunk_output_kernel]
-            r["new_split_ms"] = dict(zip(("prepare", "state", "output"), _split(k, lambda: new_fn(new_mod, L), args)))
+            names, k = zip(*new_mod.gdn_launches(new_mod.gdn_config(L.hv, L.dims["head_k_dim"],
+                                                                   L.dims["head_v_dim"], T)))
+            r["new_split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L), args)))
             if old is not None:
                 conv_mod, gdn_mod = old
                 k = [conv_mod._causal_conv1d_kernel, gdn_mod._gdn_chunk_prepare_kernel,
@@ -288,8 +332,13 @@ def _print(res: dict, n_layers: int) -> None:
             if key in r:
                 print(f"    {key[:3]} split: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in r[key].items()))
         for name, v in r.get("variants", {}).items():
-            print(f"    new {name:12s} {v['ms'] * 1e3:8.1f} us  (out rel to the picked config "
-                  f"{v['vs_picked']['out_rel']:.1e})  {v['config']}")
+            split = ("  [" + ", ".join(f"{k} {x * 1e3:.1f}" for k, x in v["split_ms"].items()) + " us]"
+                     if "split_ms" in v else "")
+            print(f"    new {name:16s} {v['ms'] * 1e3:8.1f} us  (out rel to the picked config "
+                  f"{v['vs_picked']['out_rel']:.1e}){split}  {v['config']}")
+            if "regs_spills" in v:
+                print("        regs / spilled bytes: " + ", ".join(
+                    f"{k} {r} / {sp}" for k, (r, sp) in v["regs_spills"].items()))
         for key in ("new_vs_old", "new_vs_ref"):
             if key in r:
                 c = r[key]

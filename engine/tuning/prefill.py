@@ -52,12 +52,17 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool) -> list[dict]:
 
 
 def gdn_grid(quick: bool) -> list[dict]:
-    g = _grid(BV=[16, 32], prep_warps=[4, 8], state_warps=[4], state_stages=[2, 3],
-              out_warps=[4, 8], solve=[1, 2])
+    # state_form 2 (two K halves of S, the next chunk loaded ahead) also at 8 state warps and
+    # BV 64, where a [64, BV] half still fits in registers; the one-tile form at 4 warps, BV <= 32
+    g = _grid(BV=[16, 32, 64], prep_warps=[4, 8], state_warps=[4, 8], state_stages=[2, 3],
+              out_warps=[4, 8], solve=[1, 2], prep_split=[1, 2], state_form=[1, 2])
+    g = [c for c in g if c["state_form"] == 2 or (c["state_warps"] == 4 and c["BV"] <= 32)]
+    g = [c for c in g if c["state_form"] == 1 or c["state_stages"] == 2]   # its own look-ahead
     if quick:
         g = [c for c in g if c["prep_warps"] == c["out_warps"]
              and (c["prep_warps"] == 8 or (c["BV"], c["state_stages"]) == (16, 2))
-             and (c["state_stages"] == 2 or c["BV"] == 16)]
+             and (c["state_stages"] == 2 or c["BV"] == 16)
+             and (c["state_form"] == 1 or c["state_warps"] == 8) and c["BV"] <= 32]
     return g
 
 
@@ -180,22 +185,25 @@ def _sweep(label: str, make_fn, grid: list[dict], quick: bool) -> tuple[dict, fl
 
 
 def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
-    """Time the three GDN launches alone (prepare / state / output) with `cfg`, by running
-    with the later launches removed: differences of cumulative prefixes."""
-    kernels = [gdn_mod._gdn_chunk_prepare_kernel, gdn_mod._gdn_chunk_state_kernel,
-               gdn_mod._gdn_chunk_output_kernel]
+    """Time the GDN launches alone (prepare, or inverse / w_u, then state / output) with `cfg`
+    (None: the built-in), by running with the later launches removed: differences of
+    cumulative prefixes."""
+    c = bench.cfg
+    full = cfg or gdn_mod.gdn_config(c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim, bench.T, table=None)
+    names, kernels = zip(*gdn_mod.gdn_launches(full))
     saved = [k.run for k in kernels]
     times = []
     try:
-        for n_on in (1, 2, 3):
+        for n_on in range(1, len(kernels) + 1):
             for i, k in enumerate(kernels):
                 k.run = saved[i] if i < n_on else (lambda *a, **kw: None)
             times.append(_time(bench.gdn_fn(cfg), quick))
     finally:
         for k, r in zip(kernels, saved):
             k.run = r
-    prep, state, out = times[0], times[1] - times[0], times[2] - times[1]
-    return f"prepare {prep * 1e3:.1f} us | state {state * 1e3:.1f} us | output {out * 1e3:.1f} us"
+    own = [times[0]] + [b - a for a, b in zip(times, times[1:])]
+    return " | ".join(f"{n} {t * 1e3:.1f} us" for n, t in zip(names, own))
 
 
 def tune(T_list, quick: bool, cfg=None) -> tuple[dict, list[str]]:

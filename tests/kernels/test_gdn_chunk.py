@@ -129,6 +129,75 @@ def test_gdn_batched_block_solve(T, chunk, dtype):
     _assert_close(st, st1, dtype)
 
 
+# prep_split = 2 (the prepare as the inverse launch, then W / U / decayed K from the stored Tinv),
+# state_form = 2 (the state pass on two K halves, the next chunk's tiles loaded ahead), and both
+SPLIT_FORMS = [(2, 1), (1, 2), (2, 2)]
+_BASE_CFG = dict(BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
+def test_gdn_prep_split_and_state_form(prep_split, state_form, T, dtype):
+    """Each new variant against the reference (grouped value heads, both start states random)."""
+    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
+    _check(_inputs(T, SMALL, dtype, seed=T), SMALL, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
+@pytest.mark.parametrize("T,t", [(64, 0), (64, 40), (128, 65), (130, 129)])
+def test_gdn_prep_split_and_state_form_padding(T, t, prep_split, state_form):
+    """Rows >= t_dev[0] stay inert in the new variants: the t real rows alone, pad outputs 0."""
+    inputs = _inputs(T, SMALL, torch.float32, seed=T + t + 7)
+    t_dev = torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
+    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev, config=cfg)
+    assert torch.all(out[t:] == 0)
+    if t:
+        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL, config=cfg)
+        _assert_close(out[:t], alone, torch.float32)
+        _assert_close(st, st_alone, torch.float32)
+        assert torch.equal(cst, cst_alone)
+    else:
+        assert torch.equal(st, inputs[8]) and torch.equal(cst, inputs[5])
+
+
+@pytest.mark.parametrize("bv,solve,chunk", [(32, 2, 64), (64, 1, 64), (16, 2, 32)])
+def test_gdn_prep_split_and_state_form_with_other_knobs(bv, solve, chunk):
+    """Both new variants on with wider V tiles, the batched block solve, a smaller chunk; and
+    the model's layout (dk = dv = 128: halves of 64) at a small head count."""
+    inputs = _inputs(70, SMALL, torch.float32, seed=bv + solve + chunk)
+    cfg = dict(_BASE_CFG, BV=bv, solve=solve, prep_split=2, state_form=2)
+    _check(inputs, SMALL, torch.float32, chunk=chunk, config=cfg)
+
+
+def test_gdn_state_halves_model_layout():
+    dims = dict(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128)
+    cfg = dict(_BASE_CFG, BV=32, prep_split=2, state_form=2)
+    _check(_inputs(66, dims, torch.float32, seed=13), dims, torch.float32, config=cfg)
+
+
+def test_gdn_config_reads_older_table_entries(tmp_path):
+    """gdn_config: a table entry of the six keys from before prep_split / state_form means
+    1 / 1; an entry of all GDN_KEYS is taken as it is; no entry: the built-in config."""
+    import json
+    from tritonchat.kernels import gdn_chunk
+    from tritonchat.kernels.gemm import clear_tuning_cache
+    old = dict(BV=32, prep_warps=4, state_warps=4, state_stages=3, out_warps=4, solve=2)
+    new = dict(old, BV=64, prep_split=2, state_form=2)
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"version": 1, "configs": {
+        gdn_chunk.gdn_kernel_name(4, 24, 40): {"2048": old, "8192": new}}}))
+    clear_tuning_cache()
+    try:
+        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == dict(old, prep_split=1, state_form=1)
+        assert gdn_chunk.gdn_config(4, 24, 40, 8192, str(path)) == new
+        builtin = gdn_chunk.gdn_config(4, 24, 40, 2048, None)
+        assert set(builtin) == set(gdn_chunk.GDN_KEYS) and (builtin["prep_split"], builtin["state_form"]) == (1, 1)
+    finally:
+        clear_tuning_cache()
+
+
 def test_gdn_power_of_two_heads_ungrouped():
     """The model's own layout (Hk = Hv, dk = dv = 128) at a small head count."""
     dims = dict(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128)
@@ -270,6 +339,14 @@ def test_gdn_rejects_bad_arguments():
     with pytest.raises(ValueError):
         gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, config=dict(
             BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=3), **kw)
+    for bad in (dict(prep_split=0), dict(prep_split=3), dict(state_form=3)):
+        with pytest.raises(ValueError):
+            gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
+                        config=dict(_BASE_CFG, **bad), **kw)
+    tiny = dict(num_k_heads=1, num_v_heads=1, head_k_dim=8, head_v_dim=8)   # padded dk 16: no halves
+    ti = _inputs(5, tiny, torch.float32, seed=0)
+    with pytest.raises(ValueError):
+        _run(gdn_prefill, ti, tiny, config=dict(_BASE_CFG, state_form=2))
     with pytest.raises(ValueError):                                         # t_dev must be int32
         gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
                     t_dev=torch.tensor([3], device=DEVICE), **kw)
@@ -310,3 +387,20 @@ def test_gdn_padded_true_shape_bf16():
     assert torch.all(out[t:] == 0)
     assert _rel_err(out[:t], alone) < 1e-3 and _rel_err(st, st_alone) < 1e-3
     assert torch.equal(cst, cst_alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
+def test_gdn_prep_split_and_state_form_true_shape_bf16(prep_split, state_form):
+    """The new variants in bf16 at the true shape: Tinv stored in bf16 (prep_split = 2) must
+    keep the default path's error bounds against the fp32 recurrence."""
+    T = 2048
+    inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
+    cfg = dict(_BASE_CFG, BV=32, state_warps=8, prep_split=prep_split, state_form=state_form)
+    out, st, cst = _run(gdn_prefill, inputs, TRUE, config=cfg)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, TRUE)
+    assert torch.isfinite(out).all() and torch.isfinite(st).all()
+    assert torch.equal(cst, cst_ref)
+    assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
+    assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
+    assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()
