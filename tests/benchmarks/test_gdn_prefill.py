@@ -44,8 +44,9 @@ def test_script_tiny_run(capsys, old):
         r = res["results"][0][form]
         assert r["t"] == t and r["new_vs_ref"]["conv_equal"] and r["new_vs_ref"]["out_rel"] < 1e-4
         assert ("new_vs_old" in r) == old
-        if old:     # the same fp32 math in the same order: the conv moved, nothing else changed
-            assert r["new_vs_old"]["bitwise"], r["new_vs_old"]
+        if old:     # the same fp32 math (the conv moved; the chunk-end decay is the stored one)
+            c = r["new_vs_old"]
+            assert c["conv_equal"] and c["out_rel"] < 1e-5 and c["rec_rel"] < 1e-5, c
     v = res["results"][0]["plain"]["variants"]
     for name in ("split2", "split2_solve2", "state2", "state2_bv32_w8", "split2_state2"):
         assert v[name]["vs_picked"]["out_rel"] < 1e-4 and v[name]["vs_picked"]["conv_equal"], name
