@@ -16,7 +16,7 @@ Forms (--forms a,b,...; default all):
     default         the built-in table (table=None): persistent + TMA for M >= 512
     persistent      the default tiles, persistent programs, pointer loads
     tma             the default tiles, one program per tile, TMA descriptors
-    ptma_128 / ptma_256     persistent + TMA with a 128 x 128 / 128 x 256 tile
+    ptma_64 / _128 / _256   persistent + TMA with a 128 x 64 / 128 x 128 / 128 x 256 tile
     ptma_bk128      persistent + TMA, 128 x 128 x 128, 3 stages
     splitk2 / splitk4       persistent + TMA, 128 x 256 (128 x 128 for gate|up) tiles, K in
                     2 / 4 slices and the reduce pass (the narrow N = 1024 shapes only)
@@ -25,6 +25,8 @@ Forms (--forms a,b,...; default all):
 
     PYTHONUNBUFFERED=1 python benchmarks/prefill_gemm.py                      (device)
     TRITON_INTERPRET=1 python benchmarks/prefill_gemm.py --device cpu --tiny  (CPU smoke run)
+    python benchmarks/prefill_gemm.py --compile-only          (offline sm_90 compile, no GPU:
+                                                               shared memory, TMA / wgmma ops)
 
 The last line is one JSON object with every number.
 """
@@ -68,6 +70,8 @@ def form_config(form: str, M: int, N: int, K: int, silu: bool, res: bool) -> dic
         return dict(default, PERSISTENT=0, TMA=1)
     if form == "ptma_128":
         return _ptma(128, stages=4 if not silu else 3)
+    if form == "ptma_64":
+        return _ptma(64, stages=4)
     if form == "ptma_256":
         return None if silu else _ptma(256)
     if form == "ptma_bk128":
@@ -85,7 +89,7 @@ def form_config(form: str, M: int, N: int, K: int, silu: bool, res: bool) -> dic
     raise ValueError(f"unknown form {form!r}")
 
 
-FORMS = ("grid", "table", "default", "persistent", "tma", "ptma_128", "ptma_256", "ptma_bk128",
+FORMS = ("grid", "table", "default", "persistent", "tma", "ptma_64", "ptma_128", "ptma_256", "ptma_bk128",
          "splitk2", "splitk4", "splitk2_128", "ws", "flatten")
 
 
@@ -226,6 +230,63 @@ def summary(rows: list[dict], layers: dict, forms) -> list[str]:
     return lines
 
 
+def _signature(cfg: dict, silu: bool, res: bool, dtype: str = "bf16") -> tuple:
+    """(kernel, signature, constexprs, attrs) of the main launch of `cfg`, specialised as a
+    real launch of the true shapes is (16-byte aligned pointers, strides and sizes)."""
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    common = dict(HAS_RESIDUAL=res, SILU_MUL=silu, EVEN_K=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                  GROUP_M=cfg["GROUP_M"], DOT_PREC="tf32")
+    ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "up_row_offset"]
+    if not (cfg["PERSISTENT"] or cfg["TMA"] or cfg["SPLIT_K"] > 1):
+        kernel, sig = G._gemm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr", "res_ptr"], f"*{dtype}")
+        const = common
+    else:
+        kernel, split = G._gemm_persistent_kernel, cfg["SPLIT_K"]
+        tma = bool(cfg["TMA"])
+        desc = lambda r, c: f"tensordesc<{dtype}[{r}, {c}]>" if tma else f"*{dtype}"  # noqa: E731
+        o = desc(BM, BN) if split == 1 else f"*{dtype}"
+        sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32")
+        ints += ["num_programs", "k_tiles_per_split"]
+        const = dict(common, USE_TMA=tma, SPLIT_K=split, FLATTEN=bool(cfg["FLATTEN"]),
+                     WARP_SPEC=bool(cfg["WARP_SPEC"]))
+    sig.update(dict.fromkeys(ints, "i32"))
+    aligned = [i for i, (n, t) in enumerate(sig.items())
+               if t.startswith("*") or n not in ("num_programs", "k_tiles_per_split")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return kernel, dict(sig, **dict.fromkeys(const, "constexpr")), const, attrs
+
+
+def compile_only(args, forms, shapes) -> int:
+    """Compile each form's main kernel for sm_90 at the true shapes (M = 2048) without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    res_all, ok = {}, True
+    for name, (n_w, K, res, silu, _layers) in shapes.items():
+        N = n_w // 2 if silu else n_w
+        for form in forms:
+            cfg = form_config(form, 2048, N, K, silu, res)
+            if cfg is None:
+                continue
+            kernel, sig, const, attrs = _signature(cfg, silu, res)
+            t0 = time.time()
+            try:
+                k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 64),
+                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                ptx = k.asm["ptx"]
+                info = dict(ok=True, s=round(time.time() - t0, 1), shared=int(k.metadata.shared),
+                            tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
+                            wgmma=ptx.count("wgmma.mma_async"))
+            except Exception as e:  # noqa: BLE001 - reported, the run fails
+                info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-1500:])
+                ok = False
+            res_all[f"{name}/{form}"] = info
+            print(f"{name:18s} {form:12s} {json.dumps(info)}", flush=True)
+    print(json.dumps({"compile_only": res_all}))
+    return 0 if ok else 1
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -236,11 +297,23 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) / float16 / float32")
     p.add_argument("--quick", action="store_true", help="shorter timing windows")
     p.add_argument("--verbose", action="store_true", help="tracebacks of the forms that fail")
+    p.add_argument("--compile-only", action="store_true", help="offline sm_90 compile (no GPU)")
     return p.parse_args(argv)
+
+
+def _shapes(args, cfg) -> dict:
+    shapes = gemm_shapes(cfg)
+    if args.shapes:
+        keep = [s.strip() for s in args.shapes.split(",")]
+        shapes = {k: v for k, v in shapes.items() if any(s in k for s in keep)}
+    return shapes
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_only:
+        forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+        return compile_only(args, forms, _shapes(args, qwen35_08b_config()))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("prefill_gemm needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
@@ -259,10 +332,7 @@ def main(argv=None) -> int:
     if "grid" in forms:                       # the reference every form is checked against
         forms.remove("grid")
     forms.insert(0, "grid")
-    shapes = gemm_shapes(cfg)
-    if args.shapes:
-        keep = [s.strip() for s in args.shapes.split(",")]
-        shapes = {k: v for k, v in shapes.items() if any(s in k for s in keep)}
+    shapes = _shapes(args, cfg)
     info = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
                 triton=__import__("triton").__version__, torch=torch.__version__, dtype=str(dtype))
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)

@@ -59,7 +59,7 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
         g = [c for c in g if c["BLOCK_N"] <= 128]
     g = [c for c in g if not (c["BLOCK_N"] == 256 and c["num_warps"] == 4)]
     # what does not fit a Hopper block's shared memory (bf16) would only fail to compile
-    g = [c for c in g if gemm_mod.gemm_smem_bytes(c, 2, silu_mul) <= 227 * 1024]
+    g = [c for c in g if gemm_mod.gemm_smem_bytes(c, 2, silu_mul) <= gemm_mod.SMEM_BUDGET]
     if quick:           # the candidates most likely to win; every compile costs seconds
         if T <= 256:
             g = [c for c in g if (c["num_stages"], c["BLOCK_K"]) == (4, 64)]

@@ -1,8 +1,10 @@
 """benchmarks/prefill_gemm.py (issue #60, lever 2) without a GPU: the script's CPU smoke run
 under the Triton interpreter at the tiny model's shapes, every form checked against the grid
-form, and its form table against the launcher's keys."""
+form, its form table against the launcher's keys, and an offline sm_90 compile of every form."""
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,3 +70,26 @@ def test_agree_catches_a_wrong_result():
     assert P.agree(nudged, ref)[0]
     assert not P.agree((ref.float() + 0.05).to(torch.bfloat16), ref)[0]
     assert not P.agree(torch.zeros_like(ref), ref)[0]
+
+
+def test_forms_compile_for_sm90():
+    """Offline sm_90 compile (no GPU) of every form at the true shapes: the TMA forms move
+    their tiles with the bulk tensor copy engine, the pointer forms with cp.async (both
+    software-pipelined), all on wgmma, within a block's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
+    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas for an offline sm_90 compile")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    res = json.loads(r.stdout.strip().splitlines()[-1])["compile_only"]
+    assert len(res) >= 6 * 10
+    for key, info in res.items():
+        form = key.split("/")[1]
+        assert info["ok"] and info["wgmma"] > 0 and info["shared"] <= 227 * 1024, (key, info)
+        if form in ("grid", "persistent"):
+            assert info["cp_async"] > 0 and info["tma"] == 0, (key, info)
+        elif form not in ("table",):
+            assert info["tma"] > 0, (key, info)
