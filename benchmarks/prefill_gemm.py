@@ -131,6 +131,20 @@ def _time_ms(fn, device: str, quick: bool) -> float:
                     return_mode="median")
 
 
+def _host_us(fn, device: str, n: int = 20) -> float:
+    """Host time of one launch (argument checks, descriptors, Triton's dispatch): n launches
+    queued back to back, far fewer than fill the launch queue, so none waits for the GPU."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
 def bench_shape(name, n_w, K, res, silu, M, forms, args, dtype) -> dict:
     dev = args.device
     N = n_w // 2 if silu else n_w
@@ -167,7 +181,7 @@ def bench_shape(name, n_w, K, res, silu, M, forms, args, dtype) -> dict:
                          repeatable=bool(torch.equal(again, out)))
             scratch = r0.clone()
             ms = _time_ms(lambda: run(cfg, scratch), dev, args.quick)
-            entry.update(ms=ms, tflops=flops / ms / 1e9)
+            entry.update(ms=ms, tflops=flops / ms / 1e9, host_us=_host_us(lambda: run(cfg, scratch), dev))
         except Exception as e:  # a form that does not compile on this GPU / Triton
             entry.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             if args.verbose:
@@ -195,7 +209,8 @@ def _print_row(row: dict) -> None:
         c = e["config"]
         tiles = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
         form_keys = " ".join(f"{k}={c[k]}" for k in G.GEMM_FORM_DEFAULTS if c[k] != G.GEMM_FORM_DEFAULTS[k])
-        print(f"    {form:12s} {e['ms'] * 1e3:8.1f} us {e['tflops']:6.0f} TFLOP/s   {tiles} {form_keys}{flag}")
+        print(f"    {form:12s} {e['ms'] * 1e3:8.1f} us {e['tflops']:6.0f} TFLOP/s  host {e['host_us']:5.1f} us"
+              f"  {tiles} {form_keys}{flag}")
 
 
 def summary(rows: list[dict], layers: dict, forms) -> list[str]:

@@ -91,8 +91,8 @@ def _tuned_entry(kernel: str, bucket: int, keys: tuple[str, ...],
     opt = dict(optional)
     if not isinstance(entry, dict) or not set(keys) <= set(entry) <= set(keys) | set(opt):
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and (v > 0 or (v == 0 and opt.get(k) == 0))
-               for k, v in entry.items()):
+    if not all(isinstance(v, int) and not isinstance(v, bool)
+               and (v > 0 or (v == 0 and opt.get(k) == 0)) for k, v in entry.items()):
         return None
     return {**opt, **entry}
 
