@@ -21,7 +21,10 @@ Forms (--forms a,b,...; default all):
     splitk2 / splitk4       persistent + TMA, 128 x 256 (128 x 128 for gate|up) tiles, K in
                     2 / 4 slices and the reduce pass (the narrow N = 1024 shapes only)
     splitk2_128     persistent + TMA, 128 x 128, K in 2 slices (narrow only)
-    ws / flatten    persistent + TMA with tl.range(warp_specialize=True) / (flatten=True)
+    ptma_256f / _128f       ptma_256 / ptma_128 with the tile loop flattened (flatten=True;
+                    ptma_256f with a residual: TMA=2, no shared memory is left to stage it)
+    tma_ops         the default with TMA=2: descriptors for the operands only
+    ws / flatten    the default with tl.range(warp_specialize=True) / (flatten=True)
 
     PYTHONUNBUFFERED=1 python benchmarks/prefill_gemm.py                      (device)
     TRITON_INTERPRET=1 python benchmarks/prefill_gemm.py --device cpu --tiny  (CPU smoke run)
@@ -82,6 +85,12 @@ def form_config(form: str, M: int, N: int, K: int, silu: bool, res: bool) -> dic
         return _ptma(128 if silu else 256, SPLIT_K=int(form[-1]))
     if form == "splitk2_128":
         return _ptma(128, stages=4, SPLIT_K=2) if _narrow(N) else None
+    if form == "ptma_256f":     # flattened, the pipeline stays live in the epilogue: a residual
+        return None if silu else _ptma(256, FLATTEN=1, TMA=2 if res else 1)  # tile would not fit
+    if form == "ptma_128f":
+        return _ptma(128, stages=4 if not silu else 3, FLATTEN=1)
+    if form == "tma_ops":
+        return dict(default, TMA=2) if default["TMA"] else None
     if form == "ws":
         return dict(default, PERSISTENT=1, TMA=1, WARP_SPEC=1)
     if form == "flatten":
@@ -90,7 +99,7 @@ def form_config(form: str, M: int, N: int, K: int, silu: bool, res: bool) -> dic
 
 
 FORMS = ("grid", "table", "default", "persistent", "tma", "ptma_64", "ptma_128", "ptma_256", "ptma_bk128",
-         "splitk2", "splitk4", "splitk2_128", "ws", "flatten")
+         "ptma_256f", "ptma_128f", "tma_ops", "splitk2", "splitk4", "splitk2_128", "ws", "flatten")
 
 
 def tiny_config(cfg: dict | None) -> dict | None:
@@ -259,10 +268,10 @@ def _signature(cfg: dict, silu: bool, res: bool, dtype: str = "bf16") -> tuple:
         kernel, split = G._gemm_persistent_kernel, cfg["SPLIT_K"]
         tma = bool(cfg["TMA"])
         desc = lambda r, c: f"tensordesc<{dtype}[{r}, {c}]>" if tma else f"*{dtype}"  # noqa: E731
-        o = desc(BM, BN) if split == 1 else f"*{dtype}"
+        o = desc(BM, BN) if split == 1 and cfg["TMA"] == 1 else f"*{dtype}"
         sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32")
         ints += ["num_programs", "k_tiles_per_split"]
-        const = dict(common, USE_TMA=tma, SPLIT_K=split, FLATTEN=bool(cfg["FLATTEN"]),
+        const = dict(common, USE_TMA=tma, TMA_OUT=tma and cfg["TMA"] == 1 and split == 1, SPLIT_K=split, FLATTEN=bool(cfg["FLATTEN"]),
                      WARP_SPEC=bool(cfg["WARP_SPEC"]))
     sig.update(dict.fromkeys(ints, "i32"))
     aligned = [i for i, (n, t) in enumerate(sig.items())

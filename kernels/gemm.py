@@ -16,8 +16,10 @@ Launch forms (config keys, GEMM_FORM_DEFAULTS are the original form's):
                 grouped order at a stride of the grid (_gemm_persistent_kernel), so one
                 program's epilogue overlaps its next tile's loads and no wave is left ragged
     TMA         TMA=1: operands, residual and output moved by tensor descriptors (Hopper TMA;
-                the out-of-bounds zero fill replaces the masks); pointer loads where a
-                descriptor is not allowed (pre-sm_90, a base or row stride not 16-byte aligned)
+                the out-of-bounds zero fill replaces the masks); TMA=2: the operands only (the
+                epilogue through pointers: two descriptors fewer to encode at each launch);
+                pointer loads where a descriptor is not allowed (pre-sm_90, a base or row
+                stride not 16-byte aligned)
     split-K     SPLIT_K=s: every tile's K range cut in s slices, each slice's fp32 partial
                 written to a workspace, then one pass (_gemm_splitk_reduce_kernel) sums the
                 slices in slice order and runs the epilogue: deterministic, no float atomics.
@@ -187,13 +189,14 @@ def _gemm_persistent_kernel(x, w, out, res, ws,
                             M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_row_offset,
                             num_programs, k_tiles_per_split,
                             HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
-                            EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
+                            SPLIT_K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
                             WARP_SPEC: tl.constexpr, DOT_PREC: tl.constexpr):
     # Work unit u = (K slice u // tiles, output tile u % tiles in the grouped order); program p
-    # takes units p, p + num_programs, ...  With USE_TMA, x / w (and out / res) are tensor
-    # descriptors: their out-of-bounds rows and columns read as zero and are not written.
+    # takes units p, p + num_programs, ...  With USE_TMA, x / w are tensor descriptors (and
+    # out / res with TMA_OUT): their out-of-bounds rows and columns read as zero, are not written.
     # With SPLIT_K > 1 a unit writes its fp32 partial to ws[slice] and the reduce pass finishes.
     if USE_TMA:
         dtype = w.dtype
@@ -254,7 +257,7 @@ def _gemm_persistent_kernel(x, w, out, res, ws,
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
             y = _epilogue(acc, acc_up, dtype, SILU_MUL)
-            if USE_TMA:
+            if TMA_OUT:
                 if HAS_RESIDUAL:
                     y = y + res.load([m0, n0]).to(tl.float32)
                 out.store([m0, n0], y.to(dtype))
@@ -347,10 +350,10 @@ def _gemm_config_cached(M: int, N: int, K: int, silu_mul: bool, residual: bool,
 
 def gemm_smem_bytes(cfg: dict, elem_size: int, silu_mul: bool) -> int:
     """Shared memory a config's pipeline plans for: num_stages of the x tile and the W tile
-    (two with silu_mul), plus the output tile a TMA store stages."""
+    (two with silu_mul), plus the output tile a TMA store stages (TMA=1)."""
     b_rows = cfg["BLOCK_N"] * (2 if silu_mul else 1)
     pipe = cfg["num_stages"] * (cfg["BLOCK_M"] + b_rows) * cfg["BLOCK_K"] * elem_size
-    return pipe + (cfg["BLOCK_M"] * cfg["BLOCK_N"] * elem_size if cfg.get("TMA") else 0)
+    return pipe + (cfg["BLOCK_M"] * cfg["BLOCK_N"] * elem_size if cfg.get("TMA") == 1 else 0)
 
 
 def _fit_shared_memory(cfg: dict, elem_size: int, silu_mul: bool) -> dict:
@@ -374,17 +377,22 @@ def _gemm_default_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int 
 
     Short prompts are weight-bandwidth bound and take the grid form's tiles (grid_config).
     Long prompts (M >= 512, half operands) are compute bound and take the persistent TMA form
-    with 128-row wgmma tiles: 128 x 256 for the wide projections, 128 x 128 for the narrow N
-    ones (at M = 2048 their 128 tiles fill one wave of 132 SMs, where 128 x 256 would leave
-    half the SMs idle) and for gate|up, whose two accumulators make it a 128 x 256 tile
-    already. An fp32 model (the accuracy mode) keeps the grid form.
+    with 128-row wgmma tiles (measured on an H100, benchmarks/prefill_gemm.py):
+    - the wide projections 128 x 256 with the tile loop flattened into the K loop (the next
+      tile's loads overlap this one's epilogue): 6-8 % faster than unflattened;
+    - the narrow N ones 128 x 128 below 4,096 rows (at M = 2048 their 128 tiles fill one wave
+      of 132 SMs, where 128 x 256 would leave half the SMs idle), 128 x 256 from there on;
+    - gate|up 128 x 128: its two accumulators make it a 128 x 256 tile already (flattening
+      loses 15 % there).
+    An fp32 model (the accuracy mode) keeps the grid form.
     """
     if M < 512 or elem_size > 2:
         return grid_config(M, N, K, silu_mul)
     wide = not silu_mul and N >= 4096
-    cfg = dict(BLOCK_M=128, BLOCK_N=256 if wide else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
-               num_stages=3 if (wide or silu_mul) else 4,
-               PERSISTENT=1, TMA=1, SPLIT_K=1, FLATTEN=0, WARP_SPEC=0)
+    bn = 256 if wide or (not silu_mul and M >= 4096) else 128
+    cfg = dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, num_warps=8,
+               num_stages=3 if bn == 256 or silu_mul else 4,
+               PERSISTENT=1, TMA=1, SPLIT_K=1, FLATTEN=int(wide), WARP_SPEC=0)
     return _clamp_tiles(cfg, N, K)
 
 
@@ -507,20 +515,21 @@ def _launch_persistent(x, W, out, res, has_residual: bool, silu_mul: bool,
     units = cdiv(M, BM) * cdiv(N, BN) * split
     programs = min(units, sm_count(x.device)) if cfg["PERSISTENT"] else units
     use_tma = bool(cfg["TMA"]) and tma_allowed(x, W, out, res)
+    tma_out = use_tma and cfg["TMA"] == 1 and split == 1   # the reduce pass stores through pointers
     ws = (torch.empty(split, M, N * (2 if silu_mul else 1), device=x.device, dtype=torch.float32)
           if split > 1 else out)
     xa, wa, oa, ra = x, W, out, res
     if use_tma:
         xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK])
         wa = TensorDescriptor(W, [W.shape[0], K], [K, 1], [BN, BK])
-        if split == 1:      # the reduce pass stores through pointers
+        if tma_out:
             oa = TensorDescriptor(out, [M, N], [out.stride(0), 1], [BM, BN])
             ra = TensorDescriptor(res, [M, N], [res.stride(0), 1], [BM, BN])
     _gemm_persistent_kernel[(programs,)](
         xa, wa, oa, ra, ws, M, N, K, x.stride(0), W.stride(0), out.stride(0), res.stride(0), N,
         programs, per_split,
         HAS_RESIDUAL=has_residual, SILU_MUL=silu_mul, EVEN_K=(K % BK == 0), USE_TMA=use_tma,
-        SPLIT_K=split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
+        TMA_OUT=tma_out, SPLIT_K=split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
         FLATTEN=bool(cfg["FLATTEN"]), WARP_SPEC=bool(cfg["WARP_SPEC"]),
         DOT_PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:

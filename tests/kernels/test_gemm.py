@@ -197,6 +197,7 @@ FORMS = {
     "persistent": dict(PERSISTENT=1),
     "tma": dict(TMA=1),
     "persistent_tma": dict(PERSISTENT=1, TMA=1),
+    "persistent_tma_operands": dict(PERSISTENT=1, TMA=2),
     "splitk3": dict(PERSISTENT=1, SPLIT_K=3),
     "splitk2_tma": dict(TMA=1, SPLIT_K=2),
     "persistent_tma_splitk2": dict(PERSISTENT=1, TMA=1, SPLIT_K=2),
@@ -304,8 +305,9 @@ def test_gemm_default_forms_and_tables(tmp_path):
     wide = m.gemm_config(2048, 8224, 1024, False, table=None)
     narrow = m.gemm_config(2048, 1024, 3584, False, residual=True, table=None)
     gate_up = m.gemm_config(2048, 3584, 1024, True, table=None)
-    assert (wide["PERSISTENT"], wide["TMA"], wide["BLOCK_N"]) == (1, 1, 256)
+    assert (wide["PERSISTENT"], wide["TMA"], wide["BLOCK_N"], wide["FLATTEN"]) == (1, 1, 256, 1)
     assert (narrow["PERSISTENT"], narrow["TMA"], narrow["BLOCK_N"]) == (1, 1, 128)
+    assert m.gemm_config(8192, 1024, 3584, False, residual=True, table=None)["BLOCK_N"] == 256
     assert (gate_up["PERSISTENT"], gate_up["BLOCK_N"]) == (1, 128)
     for c in (wide, narrow, gate_up):
         assert set(c) == set(m.GEMM_KEYS) and m.gemm_smem_bytes(c, 2, c is gate_up) <= m.SMEM_BUDGET
@@ -333,7 +335,8 @@ def test_gemm_default_forms_and_tables(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["persistent", "tma", "persistent_tma", "splitk2", "ws"])
+@pytest.mark.parametrize("form", ["persistent", "tma", "persistent_tma", "tma_operands", "splitk2",
+                                  "flatten", "ws"])
 @pytest.mark.parametrize("name", ["gdn_qkvz", "gdn_out", "mlp_gate_up", "mlp_down"])
 def test_gemm_forms_true_shapes_bf16(name, form):
     """On the device: each form at the true shapes (M = 2048, bf16) against the grid form,
@@ -342,6 +345,8 @@ def test_gemm_forms_true_shapes_bf16(name, form):
     big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     cfg = dict(big, **{"persistent": dict(PERSISTENT=1), "tma": dict(TMA=1),
                        "persistent_tma": dict(PERSISTENT=1, TMA=1),
+                       "tma_operands": dict(PERSISTENT=1, TMA=2),
+                       "flatten": dict(PERSISTENT=1, TMA=1, FLATTEN=1),
                        "splitk2": dict(PERSISTENT=1, TMA=1, SPLIT_K=2),
                        "ws": dict(PERSISTENT=1, TMA=1, WARP_SPEC=1)}[form])
     T = 2048
