@@ -35,19 +35,36 @@ def _grid(**axes) -> list[dict]:
     return [dict(zip(keys, vals)) for vals in itertools.product(*(axes[k] for k in keys))]
 
 
-def gemm_grid(quick: bool, T: int, silu_mul: bool) -> list[dict]:
+def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
+    """Candidate configs (every key of gemm.GEMM_KEYS) of one GEMM shape, N its output columns
+    (0: unknown, no split-K candidates). Short prompts: the grid form's thin tiles. Long ones:
+    the grid form's 128-row tiles and the persistent TMA form (128 x 128 / 128 x 256 tiles,
+    the tile loop flattened or not), plus split-K in 2 slices for the narrow N shapes, whose
+    tiles do not fill the SMs. (Warp specialization measured no different on an H100 with
+    Triton 3.6: benchmarks/prefill_gemm.py times it.)"""
+    grid_form = {k: [v] for k, v in gemm_mod.GEMM_FORM_DEFAULTS.items()}
     if T <= 256:        # weight-bandwidth bound: thin M tiles, more CTAs
         g = _grid(BLOCK_M=[64], BLOCK_N=[64, 128], BLOCK_K=[64, 128], GROUP_M=[8],
-                  num_warps=[4], num_stages=[3, 4])
+                  num_warps=[4], num_stages=[3, 4], **grid_form)
     else:
         g = _grid(BLOCK_M=[128], BLOCK_N=[64, 128, 256], BLOCK_K=[64], GROUP_M=[8],
-                  num_warps=[4, 8], num_stages=[3, 4])
+                  num_warps=[4, 8], num_stages=[3, 4], **grid_form)
+        ptma = dict(grid_form, PERSISTENT=[1], TMA=[1])
+        g += _grid(BLOCK_M=[128], BLOCK_N=[128, 256], BLOCK_K=[64], GROUP_M=[8], num_warps=[8],
+                   num_stages=[3, 4], **dict(ptma, FLATTEN=[0, 1]))
+        if 0 < N <= 2048:
+            g += _grid(BLOCK_M=[128], BLOCK_N=[128, 256], BLOCK_K=[64], GROUP_M=[8],
+                       num_warps=[8], num_stages=[3], **dict(ptma, SPLIT_K=[2]))
     if silu_mul:        # two accumulators: keep BLOCK_N <= 128
         g = [c for c in g if c["BLOCK_N"] <= 128]
     g = [c for c in g if not (c["BLOCK_N"] == 256 and c["num_warps"] == 4)]
+    # what does not fit a Hopper block's shared memory (bf16) would only fail to compile
+    g = [c for c in g if gemm_mod.gemm_smem_bytes(c, 2, silu_mul) <= gemm_mod.SMEM_BUDGET]
     if quick:           # the candidates most likely to win; every compile costs seconds
-        g = [c for c in g if (c["num_stages"], c["BLOCK_K"]) == (4, 64)] if T <= 256 else \
-            [c for c in g if (c["num_stages"], c["num_warps"]) == (3, 8)]
+        if T <= 256:
+            g = [c for c in g if (c["num_stages"], c["BLOCK_K"]) == (4, 64)]
+        else:
+            g = [c for c in g if (c["num_stages"], c["num_warps"]) == (3, 8)]
     return g
 
 
@@ -79,6 +96,23 @@ def attn_grid(quick: bool, T: int) -> list[dict]:
     return g
 
 
+def gemm_shapes(c) -> dict[str, tuple[int, int, bool, bool, int]]:
+    """The prefill's projection GEMMs of config `c`, merged exactly as engine/triton_prefill.py
+    launches them: name -> (rows of W, K, residual epilogue?, silu_mul?, layers it runs in)."""
+    D, I = c.hidden_size, c.intermediate_size
+    H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    Hv, vd, cd = c.linear_num_value_heads, c.linear_value_dim, c.conv_dim
+    n_gdn, n_attn = len(c.linear_attention_layers), len(c.full_attention_layers)
+    return {
+        "gdn qkvzba gemm": (cd + vd + 2 * Hv, D, False, False, n_gdn),
+        "gdn out gemm+res": (D, vd, True, False, n_gdn),
+        "attn qkv gemm": (2 * H * hd + 2 * KV * hd, D, False, False, n_attn),
+        "attn o gemm+res": (D, H * hd, True, False, n_attn),
+        "mlp gate|up silu": (2 * I, D, False, True, c.num_hidden_layers),
+        "mlp down gemm+res": (D, I, True, False, c.num_hidden_layers),
+    }
+
+
 class Bench:
     """Shapes and buffers of one prompt length, plus one closure per kernel and config."""
 
@@ -93,23 +127,12 @@ class Bench:
         w = lambda n, k: (torch.randn(n, k, device=dev) * k ** -0.5).to(bf)  # noqa: E731
         self.x = torch.randn(T, D, device=dev, dtype=bf)
         self.h = torch.randn(T, D, device=dev, dtype=bf)
-        # merged projections exactly as engine/triton_prefill.py launches them
-        gdn_n = cd + vd + 2 * Hv
-        attn_n = 2 * H * hd + 2 * KV * hd
-        self.gemms = {   # name: (W, input, out, residual?, silu_mul?, layers)
-            "gdn qkvzba gemm": (w(gdn_n, D), self.x, torch.empty(T, gdn_n, device=dev, dtype=bf),
-                                False, False, len(c.linear_attention_layers)),
-            "gdn out gemm+res": (w(D, vd), torch.randn(T, vd, device=dev, dtype=bf), self.h,
-                                 True, False, len(c.linear_attention_layers)),
-            "attn qkv gemm": (w(attn_n, D), self.x, torch.empty(T, attn_n, device=dev, dtype=bf),
-                              False, False, len(c.full_attention_layers)),
-            "attn o gemm+res": (w(D, H * hd), torch.randn(T, H * hd, device=dev, dtype=bf), self.h,
-                                True, False, len(c.full_attention_layers)),
-            "mlp gate|up silu": (w(2 * I, D), self.x, torch.empty(T, I, device=dev, dtype=bf),
-                                 False, True, c.num_hidden_layers),
-            "mlp down gemm+res": (w(D, I), torch.randn(T, I, device=dev, dtype=bf), self.h,
-                                  True, False, c.num_hidden_layers),
-        }
+        self.gemms = {}  # name: (W, input, out, residual?, silu_mul?, layers)
+        for name, (n_w, k, res, silu, layers) in gemm_shapes(c).items():
+            n_out = n_w // 2 if silu else n_w
+            inp = self.x if k == D else torch.randn(T, k, device=dev, dtype=bf)
+            out = self.h if res else torch.empty(T, n_out, device=dev, dtype=bf)
+            self.gemms[name] = (w(n_w, k), inp, out, res, silu, layers)
         self.gdn_proj = self.gemms["gdn qkvzba gemm"][2].normal_()
         self.conv_w = (torch.randn(cd, c.linear_conv_kernel_dim, device=dev) * 0.5).to(bf)
         self.conv_state = torch.zeros(cd, c.linear_conv_kernel_dim - 1, device=dev, dtype=bf)
@@ -215,8 +238,9 @@ def tune(T_list, quick: bool, cfg=None) -> tuple[dict, list[str]]:
         rows = []
         for name, (_, _, _, _, _, layers) in bench.gemms.items():
             key = bench.gemm_key(name)
+            W, _, out, _, silu, _ = bench.gemms[name]
             best, ms, dms = _sweep(name, lambda c, n=name: bench.gemm_fn(n, c),
-                                   gemm_grid(quick, T, bench.gemms[name][4]), quick)
+                                   gemm_grid(quick, T, silu, out.shape[1]), quick)
             prev = configs.get(key, {}).get(str(T))
             if best is not None and ms < dms and (prev is None or ms < prev[1]):
                 configs.setdefault(key, {})[str(T)] = (best, ms)

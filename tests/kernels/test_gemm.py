@@ -110,6 +110,10 @@ def test_gemm_true_shapes_bf16(name):
     gemm(x, W, out, **kw)
     ref = gemm_ref(x, W, torch.empty_like(out), residual=r if epi == "residual" else None,
                    silu_mul=epi == "silu_mul")
+    _assert_bf16_close(out, ref)
+
+
+def _assert_bf16_close(out, ref):
     # The epilogue rounds the fp32 K-sum (taken in another order than the reference's) to bf16,
     # and the residual add rounds once more: a sum that lands near a rounding boundary may
     # come out one bf16 ulp of the output's magnitude away. Anything beyond that is an error.
@@ -132,9 +136,9 @@ def test_gemm_true_shapes_bf16(name):
 # ------------------------------------------------------------------------------------------
 # The tile table written by tune_prefill (read back by every prefill launcher)
 # ------------------------------------------------------------------------------------------
-def _write_table(tmp_path, configs):
+def _write_table(tmp_path, configs, name="tuning.json"):
     import json
-    path = tmp_path / "tuning.json"
+    path = tmp_path / name
     path.write_text(json.dumps({"version": 1, "configs": configs}))
     return str(path)
 
@@ -149,13 +153,13 @@ def test_tuned_config_buckets_and_validation(tmp_path):
     })
     assert [m.t_bucket(t) for t in (64, 400, 600, 2048, 4000, 4200, 10 ** 6)] == \
         [128, 128, 2048, 2048, 2048, 8192, 8192]
-    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS, t) == good
-    assert m.tuned_config("gemm_plain_N48_K40", 3000, m.GEMM_KEYS, t)["BLOCK_M"] == 64
-    assert m.tuned_config("gemm_plain_N48_K40", 8192, m.GEMM_KEYS, t) is None   # bucket absent
-    assert m.tuned_config("gemm_plain_N48_K40", 20, m.GEMM_KEYS, t) is None     # short prompt
-    assert m.tuned_config("gemm_residual_N48_K40", 128, m.GEMM_KEYS, t) is None
-    assert m.tuned_config("gemm_silu_mul_N24_K40", 128, m.GEMM_KEYS, t) is None
-    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS, None) is None  # no table
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_TILE_KEYS, t) == good
+    assert m.tuned_config("gemm_plain_N48_K40", 3000, m.GEMM_TILE_KEYS, t)["BLOCK_M"] == 64
+    assert m.tuned_config("gemm_plain_N48_K40", 8192, m.GEMM_TILE_KEYS, t) is None   # bucket absent
+    assert m.tuned_config("gemm_plain_N48_K40", 20, m.GEMM_TILE_KEYS, t) is None     # short prompt
+    assert m.tuned_config("gemm_residual_N48_K40", 128, m.GEMM_TILE_KEYS, t) is None
+    assert m.tuned_config("gemm_silu_mul_N24_K40", 128, m.GEMM_TILE_KEYS, t) is None
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_TILE_KEYS, None) is None  # no table
     assert m.gemm_config(100, 48, 40, False, table=t)["BLOCK_M"] == 32
     assert m.gemm_config(100, 48, 40, False, residual=True, table=t) == \
         m.gemm_config(100, 48, 40, False, table=None)
@@ -164,7 +168,7 @@ def test_tuned_config_buckets_and_validation(tmp_path):
     out = torch.empty(100, 48, device=DEVICE)
     gemm(x, W, out, table=t)
     torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out)), rtol=1e-5, atol=1e-5)
-    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_KEYS,
+    assert m.tuned_config("gemm_plain_N48_K40", 100, m.GEMM_TILE_KEYS,
                           str(tmp_path / "absent.json")) is None
 
 
@@ -182,3 +186,181 @@ def test_gemm_explicit_config(cfg):
     out = torch.empty(T, N // 2, device=DEVICE)
     gemm(x, W, out, silu_mul=True, config=cfg)
     torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out), silu_mul=True), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# The launch forms (module docstring of kernels/gemm.py): persistent, TMA, split-K
+# ------------------------------------------------------------------------------------------
+SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=1)
+FORMS = {
+    "grid": {},
+    "persistent": dict(PERSISTENT=1),
+    "tma": dict(TMA=1),
+    "persistent_tma": dict(PERSISTENT=1, TMA=1),
+    "persistent_tma_operands": dict(PERSISTENT=1, TMA=2),
+    "splitk3": dict(PERSISTENT=1, SPLIT_K=3),
+    "splitk2_tma": dict(TMA=1, SPLIT_K=2),
+    "persistent_tma_splitk2": dict(PERSISTENT=1, TMA=1, SPLIT_K=2),
+    "flatten_ws": dict(PERSISTENT=1, TMA=1, FLATTEN=1, WARP_SPEC=1),
+}
+FORM_T = [1, 17, 64, 65, 130]
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """The number of TMA descriptors gemm() built (a spy on gemm.TensorDescriptor)."""
+    from tritonchat.kernels import gemm as m
+    made = []
+    if m.TensorDescriptor is None:
+        return made
+    real = m.TensorDescriptor
+
+    def spy(*a, **kw):
+        made.append(a[0].data_ptr())
+        return real(*a, **kw)
+    monkeypatch.setattr(m, "TensorDescriptor", spy)
+    return made
+
+
+def _check_all_epilogues(x, W, cfg, dtype, views: bool):
+    """plain, residual in place (out aliases residual) and silu_mul through `cfg`, against
+    gemm_ref; with `views`, out (and the residual) are column views of wider NaN buffers whose
+    other columns must stay untouched. N and K are not multiples of the tiles."""
+    T, N = x.shape[0], W.shape[0]
+    rtol, atol = _tol(dtype)
+    g = torch.Generator().manual_seed(T + N)
+    r = torch.randn(T, N, generator=g).to(DEVICE, dtype)
+    for epi in ("plain", "residual", "silu_mul"):
+        n_out = N // 2 if epi == "silu_mul" else N
+        # NaN where the kernel must write (and, with views, beside the view: must stay NaN)
+        buf = torch.full((T, n_out + (12 if views else 0)), float("nan"), device=DEVICE, dtype=dtype)
+        out = buf[:, 4:4 + n_out] if views else buf
+        if epi == "residual":
+            out.copy_(r)
+        kw = dict(residual=out) if epi == "residual" else dict(silu_mul=epi == "silu_mul")
+        gemm(x, W, out, config=cfg, **kw)
+        ref = gemm_ref(x, W, torch.empty(T, n_out, device=DEVICE, dtype=dtype),
+                       residual=r if epi == "residual" else None, silu_mul=epi == "silu_mul")
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, msg=lambda m: f"{epi}: {m}")
+        if views:
+            assert torch.isnan(buf[:, :4]).all() and torch.isnan(buf[:, 4 + n_out:]).all()
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", FORM_T)
+def test_gemm_forms(form, dtype, T, descriptors):
+    """Every form x every epilogue at lengths 1, 17, 64, 65, 130 with N = 40 and K = 72 (no
+    multiple of the 32-wide N tile or the 16-deep K tile): a ragged last tile each way, more
+    tiles than the interpreter's 4 "SMs" (the persistent programs take several), K slices of
+    uneven length (72 = 5 K tiles: 2 + 2 + 1 with SPLIT_K=3)."""
+    N, K = 40, 72
+    x, W, _ = _data(T, N, K, dtype, seed=T + 1)
+    cfg = dict(SMALL_TILES, **FORMS[form])
+    _check_all_epilogues(x, W, cfg, dtype, views=False)
+    assert bool(descriptors) == bool(cfg.get("TMA"))      # the TMA forms used descriptors
+
+
+@pytest.mark.parametrize("form", ["grid", "persistent", "persistent_tma", "splitk2_tma"])
+@pytest.mark.parametrize("x_offset,tma", [(4, True), (3, False)])
+def test_gemm_forms_strided_views(form, x_offset, tma, descriptors):
+    """x and out as column views into wider buffers: 16-byte aligned bases and row strides
+    (the TMA forms take descriptors of the views), and x at an odd offset (an unaligned base:
+    the TMA forms fall back to pointer loads). Columns beside the out view stay untouched."""
+    T, N, K = 65, 40, 72
+    dtype = torch.float32
+    x_buf, W, _ = _data(T, N, K + 12, dtype, seed=7)
+    W = W[:, :K].contiguous()
+    x = x_buf[:, x_offset:x_offset + K]
+    cfg = dict(SMALL_TILES, **FORMS[form])
+    _check_all_epilogues(x, W, cfg, dtype, views=True)
+    assert bool(descriptors) == (bool(cfg.get("TMA")) and tma)
+
+
+def test_gemm_split_k_is_deterministic_and_clamped():
+    """Split-K sums its slices in slice order (bit-identical reruns), and more slices than K
+    tiles (K = 24: 2 tiles of 16) run as one slice per tile."""
+    T, N = 70, 48
+    for K, split in ((72, 3), (24, 8)):
+        x, W, r = _data(T, N, K, torch.float32, seed=K)
+        cfg = dict(SMALL_TILES, PERSISTENT=1, TMA=1, SPLIT_K=split)
+        outs = []
+        for _ in range(2):
+            out = r.clone()
+            gemm(x, W, out, residual=out, config=cfg)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[0], gemm_ref(x, W, torch.empty_like(r), residual=r),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_default_forms_and_tables(tmp_path):
+    """The built-in table: the grid form below M = 512 and for fp32, the persistent TMA form
+    for long half-precision prompts (128 x 256 wide, 128 x 128 narrow and gate|up); table
+    entries with only the tile keys run the grid form; form keys may be 0 but not negative."""
+    from tritonchat.kernels import gemm as m
+    small = m.gemm_config(128, 1024, 2048, False, table=None)
+    assert (small["PERSISTENT"], small["TMA"], small["SPLIT_K"]) == (0, 0, 1)
+    assert m.gemm_config(2048, 1024, 2048, False, table=None, dtype=torch.float32)["PERSISTENT"] == 0
+    wide = m.gemm_config(2048, 8224, 1024, False, table=None)
+    narrow = m.gemm_config(2048, 1024, 3584, False, residual=True, table=None)
+    gate_up = m.gemm_config(2048, 3584, 1024, True, table=None)
+    assert (wide["PERSISTENT"], wide["TMA"], wide["BLOCK_N"], wide["FLATTEN"]) == (1, 1, 256, 1)
+    assert (narrow["PERSISTENT"], narrow["TMA"], narrow["BLOCK_N"]) == (1, 1, 128)
+    assert m.gemm_config(8192, 1024, 3584, False, residual=True, table=None)["BLOCK_N"] == 256
+    assert (gate_up["PERSISTENT"], gate_up["BLOCK_N"]) == (1, 128)
+    for c in (wide, narrow, gate_up):
+        assert set(c) == set(m.GEMM_KEYS) and m.gemm_smem_bytes(c, 2, c is gate_up) <= m.SMEM_BUDGET
+    # the fp32 model (the accuracy mode) gets a bf16-measured persistent config shrunk to fit
+    fp32 = m.gemm_config(2048, 8224, 1024, False, table=_write_table(tmp_path, {
+        "gemm_plain_N8224_K1024": {"2048": wide}}, "wide.json"), dtype=torch.float32)
+    assert fp32["PERSISTENT"] == 1 and m.gemm_smem_bytes(fp32, 4, False) <= m.SMEM_BUDGET
+    tiles = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=1)
+    t = _write_table(tmp_path, {
+        "gemm_plain_N48_K40": {"128": tiles, "2048": dict(tiles, PERSISTENT=1, TMA=0, SPLIT_K=2)},
+        "gemm_residual_N48_K40": {"128": dict(tiles, PERSISTENT=-1)},        # invalid: ignored
+        "gemm_silu_mul_N24_K40": {"128": dict(tiles, SPLIT_K=0)},            # SPLIT_K 0: ignored
+    })
+    assert m.gemm_config(100, 48, 40, False, table=t) == dict(tiles, **m.GEMM_FORM_DEFAULTS)
+    assert m.gemm_config(2048, 48, 40, False, table=t) == \
+        dict(tiles, **dict(m.GEMM_FORM_DEFAULTS, PERSISTENT=1, SPLIT_K=2))
+    assert m.gemm_config(100, 48, 40, False, residual=True, table=t) == \
+        m.gemm_config(100, 48, 40, False, table=None)
+    assert m.gemm_config(100, 24, 40, True, table=t) == m.gemm_config(100, 24, 40, True, table=None)
+    # the launcher runs the table's split-K persistent entry and still computes the product
+    x, W, _ = _data(2048, 48, 40, torch.float32, seed=2)
+    out = torch.empty(2048, 48, device=DEVICE)
+    gemm(x[:2048], W, out, table=t)
+    torch.testing.assert_close(out, gemm_ref(x, W, torch.empty_like(out)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["persistent", "tma", "persistent_tma", "tma_operands", "splitk2",
+                                  "flatten", "ws"])
+@pytest.mark.parametrize("name", ["gdn_qkvz", "gdn_out", "mlp_gate_up", "mlp_down"])
+def test_gemm_forms_true_shapes_bf16(name, form):
+    """On the device: each form at the true shapes (M = 2048, bf16) against the grid form,
+    which the GPU twin above checks against the reference."""
+    N, K, epi = TRUE_SHAPES[name]
+    big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    cfg = dict(big, **{"persistent": dict(PERSISTENT=1), "tma": dict(TMA=1),
+                       "persistent_tma": dict(PERSISTENT=1, TMA=1),
+                       "tma_operands": dict(PERSISTENT=1, TMA=2),
+                       "flatten": dict(PERSISTENT=1, TMA=1, FLATTEN=1),
+                       "splitk2": dict(PERSISTENT=1, TMA=1, SPLIT_K=2),
+                       "ws": dict(PERSISTENT=1, TMA=1, WARP_SPEC=1)}[form])
+    T = 2048
+    x, W, r = _data(T, N, K, torch.bfloat16, seed=N + K)
+    n_out = N // 2 if epi == "silu_mul" else N
+    r = r[:, :n_out].contiguous()
+    outs = []
+    for c in (dict(big), cfg):
+        out = r.clone()
+        gemm(x, W, out, residual=out if epi == "residual" else None, silu_mul=epi == "silu_mul",
+             config=c)
+        outs.append(out)
+    _assert_bf16_close(outs[1], outs[0])
+    out = r.clone()                      # and bit-repeatable (split-K included)
+    gemm(x, W, out, residual=out if epi == "residual" else None, silu_mul=epi == "silu_mul",
+         config=cfg)
+    assert torch.equal(out, outs[1])
