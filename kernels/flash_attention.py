@@ -270,9 +270,13 @@ def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
     The fp32 accumulator is BLOCK_M x head_dim: at a 256-wide head, 128 rows over 8 warps (two
     warpgroups of 64 rows, as FlashAttention-3 splits them) take 128 registers a thread, and
     with the K/V tiles fetched by the copy engine (no address registers) 64-key tiles fit
-    beside them; short prompts take a short tile so the (few) tokens are not mostly padding."""
-    cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, KV_LOAD=KV_TMA,
-               LOOP=LOOP_PLAIN)
+    beside them. Prompts under 1024 tokens take 32-row tiles on 4 warps, so that the few
+    tokens still spread over many programs (and are not mostly padding)."""
+    if T >= 1024:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+    cfg.update(KV_LOAD=KV_TMA, LOOP=LOOP_PLAIN)
     rows = max(16, next_pow2(T) * group_pad)
     cfg["BLOCK_M"] = max(min(cfg["BLOCK_M"], rows), group_pad)
     return cfg
