@@ -256,6 +256,20 @@ def test_built_in_config_keys():
             assert cfg["BLOCK_M"] >= gp and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
 
 
+def test_packaged_table_entries_carry_the_launcher_keys():
+    """A table entry with other keys is silently skipped (tuned_config): the packaged table's
+    attention entries must carry exactly ATTN_KEYS, with knob values the launcher accepts."""
+    import json
+    from tritonchat.kernels.gemm import TUNING_PATH
+    entries = [e for t in json.loads(open(TUNING_PATH).read())["tables"]
+               for name, per_t in t["configs"].items() if name.startswith("flash_attention_")
+               for e in per_t.values()]
+    assert entries
+    for e in entries:
+        assert set(e) == set(fa.ATTN_KEYS), e
+        assert e["KV_LOAD"] in (KV_POINTERS, KV_TMA) and e["LOOP"] in (LOOP_PLAIN, LOOP_WARP_SPEC)
+
+
 @pytest.mark.slow
 def test_reference_matches_transformers():
     """The reference against HF's own Qwen3_5Attention (eager, fp32), positions 0..T-1."""
