@@ -344,6 +344,7 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None, help="comma-separated names of the new configs")
     p.add_argument("--shapes", default=None, help="T:start,... (default the three chunk shapes)")
     p.add_argument("--baseline-file", default=None, help="a copy of main's flash_attention.py")
+    p.add_argument("--baselines", default=None, help="comma-separated names of BASELINE entries")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) / float32 (CPU default)")
     p.add_argument("--tol", type=float, default=None, help="relative error allowed vs baseline")
@@ -378,6 +379,8 @@ def main(argv=None) -> int:
         pool = {**CONFIGS, **MORE, **TINY_CONFIGS}
         configs = {n: pool[n] for n in args.configs.split(",")}
     baseline = TINY_BASELINE if args.tiny else BASELINE
+    if args.baselines:
+        baseline = {n: baseline[n] for n in args.baselines.split(",")}
     base_mod = None if args.no_baseline else load_baseline(args.baseline_file)
     if base_mod is None and not args.no_baseline:
         print("no baseline: pass --baseline-file (git show main:kernels/flash_attention.py)")
