@@ -18,6 +18,12 @@ KV head (their rows stacked in one Q tile), so each K/V tile is loaded once per 
 past the diagonal are skipped, blocks before it run unmasked. The output is allocated by the
 caller.
 
+Hopper knobs, each a config key (see ATTN_KEYS): KV_LOAD picks per-thread pointer loads or
+tensor descriptors (the copy engine, TMA, on sm_90+: no address registers, so a 128 x 256 fp32
+accumulator leaves room for 64-key tiles); LOOP runs the unmasked key loop plain or warp
+specialised (Triton's producer/consumer split of tl.range). The softmax scale is fused into the
+exp2 argument (one FMA a score).
+
 PyTorch reference: kernels/reference.py, section "flash_attention": attention_prefill_ref.
 """
 from __future__ import annotations
@@ -29,11 +35,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, next_pow2
+try:                          # host tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:           # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
+from ._common import FLOAT_DTYPES, _sm90_plus, cdiv, interpreting, next_pow2
 
 from .gemm import TUNING_PATH, _check_rows, dot_precision, tuned_config
 
 _LOG2E = 1.4426950408889634
+# config key KV_LOAD: how the attention pass reads K/V tiles (the table holds positive ints)
+KV_POINTERS = 1      # per-thread pointer loads (cp.async pipelining)
+KV_TMA = 2           # host tensor descriptors (TMA on sm_90+); pointers where they cannot be used
+# config key LOOP: how the unmasked key loop is scheduled
+LOOP_PLAIN = 1
+LOOP_WARP_SPEC = 2   # tl.range(..., warp_specialize=True)
 # rows of the query tile normalised + rotated at a time (keeps the prologue out of spills)
 _PROLOGUE_ROWS = 16
 
@@ -112,49 +129,62 @@ def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr
 
 
 @triton.jit
-def _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0, kv_len, pos,
+def _attend_block(q, acc, m_i, l_i, k_src, v_src, kv_base, n0, kv_len, pos,
                   qk_scale, HD: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL_MASK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32). Blocks
-    before the diagonal are fully visible and in range: they load without any mask."""
+                  CAUSAL_MASK: tl.constexpr, KV_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step over keys n0 .. n0+BLOCK_N-1 (exp2 domain, fp32; the scale is
+    applied inside the exponent's FMA). Blocks before the diagonal are fully visible and in
+    range: they load without any mask. k_src / v_src: the caches' tensor descriptors over
+    [Hkv * max_ctx, HD] (KV_DESC) or their pointers."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HDP)
-    kv_ptrs = (kv_base + offs_n.to(tl.int64))[:, None] * HD + cols[None, :]
-    if CAUSAL_MASK:
-        kv_mask = (offs_n < kv_len)[:, None] & (cols < HD)[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    elif HD == HDP:
-        k = tl.load(k_cache_ptr + kv_ptrs)
-        v = tl.load(v_cache_ptr + kv_ptrs)
+    if KV_DESC:
+        # columns past HD and rows past the cache come back as zeros; rows past kv_len inside
+        # the cache hold whatever was there (NaN in the tests): masked below
+        k = k_src.load([(kv_base + n0).to(tl.int32), 0])
+        v = v_src.load([(kv_base + n0).to(tl.int32), 0])
+        if CAUSAL_MASK:
+            # their p is 0, but 0 * NaN is not
+            v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
     else:
-        kv_mask = (cols < HD)[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        kv_ptrs = (kv_base + offs_n.to(tl.int64))[:, None] * HD + cols[None, :]
+        if CAUSAL_MASK:
+            kv_mask = (offs_n < kv_len)[:, None] & (cols < HD)[None, :]
+            k = tl.load(k_src + kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_src + kv_ptrs, mask=kv_mask, other=0.0)
+        elif HD == HDP:
+            k = tl.load(k_src + kv_ptrs)
+            v = tl.load(v_src + kv_ptrs)
+        else:
+            kv_mask = (cols < HD)[None, :]
+            k = tl.load(k_src + kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_src + kv_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if CAUSAL_MASK:
         visible = (offs_n[None, :] <= pos[:, None]) & (offs_n < kv_len)[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # a row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
     else:
         # every key is visible: m_new is finite, no guard needed
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_src, v_src,
                               out_ptr, T, start_pos, max_ctx, stride_qg, stride_o, qk_scale, eps,
                               GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr,
                               HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
                               BLOCK_N: tl.constexpr, PRO_ROWS: tl.constexpr,
+                              KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
                               DOT_PREC: tl.constexpr, START_PTR: tl.constexpr = False):
     # One program = TOK query tokens x all GROUP query heads of one KV head, stacked as the
     # BLOCK_M = TOK * GROUP_P rows of one Q tile (row r: token r // GROUP_P, head r % GROUP_P),
@@ -191,6 +221,7 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
         tl.store(out_ptr + (tok_c.to(tl.int64) * stride_o + head_c * HD)[:, None] + cols[None, :],
                  qc, mask=mask_c[:, None] & col_mask)
     tl.debug_barrier()                        # the parked rows were written by other threads
+    # the normalised, rotated Q tile: loaded once, kept for the whole key loop
     q = tl.load(out_ptr + o_off[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask,
                 other=0.0)
 
@@ -202,14 +233,14 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_cache_pt
     # keys before the block's first position are visible to every row: no mask needed
     first_pos = s0 + pid_m * TOK
     full_end = (first_pos // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
-                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, False, DOT_PREC)
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_src, v_src, kv_base, n0, kv_len, pos,
+                                      qk_scale, HD, HDP, BLOCK_N, False, KV_DESC, DOT_PREC)
     # the diagonal: blocks holding the group's own positions (keys past them are skipped)
     diag_end = tl.minimum(first_pos + TOK, kv_len)
     for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, kv_base, n0,
-                                      kv_len, pos, qk_scale, HD, HDP, BLOCK_N, True, DOT_PREC)
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_src, v_src, kv_base, n0, kv_len, pos,
+                                      qk_scale, HD, HDP, BLOCK_N, True, KV_DESC, DOT_PREC)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     dtype = out_ptr.dtype.element_ty
@@ -227,7 +258,7 @@ def _inv_freq(rotary_dim: int, rope_theta: float, device: torch.device) -> torch
     return (1.0 / (rope_theta ** exps)).to(device)
 
 
-ATTN_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+ATTN_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "KV_LOAD", "LOOP")
 
 
 def attention_kernel_name(H: int, Hkv: int, hd: int) -> str:
@@ -236,16 +267,37 @@ def attention_kernel_name(H: int, Hkv: int, hd: int) -> str:
 
 def _attention_config(T: int, head_dim_pad: int, group_pad: int) -> dict:
     """Static tiles. BLOCK_M counts the stacked rows (query tokens x the padded head group).
-    The fp32 accumulator is BLOCK_M x head_dim: a 256-wide head takes 64 rows and 32-key
-    tiles, which the sm_90 compile keeps within 255 registers without spills; short prompts
-    take a short tile so the (few) tokens are not mostly padding."""
-    if head_dim_pad >= 256:
-        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    else:
+    The fp32 accumulator is BLOCK_M x head_dim: at a 256-wide head, 128 rows over 8 warps (two
+    warpgroups of 64 rows, as FlashAttention-3 splits them) take 128 registers a thread, and
+    with the K/V tiles fetched by the copy engine (no address registers) 64-key tiles fit
+    beside them. Prompts under 1024 tokens take 32-row tiles on 4 warps, so that the few
+    tokens still spread over many programs (and are not mostly padding)."""
+    if T >= 1024:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+    cfg.update(KV_LOAD=KV_TMA, LOOP=LOOP_PLAIN)
     rows = max(16, next_pow2(T) * group_pad)
     cfg["BLOCK_M"] = max(min(cfg["BLOCK_M"], rows), group_pad)
     return cfg
+
+
+def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, hdp: int):
+    """Tensor descriptors of the two caches viewed as [Hkv * max_ctx, hd] with [block_n, hdp]
+    tiles, or None where they cannot serve: a Triton without them, a GPU older than sm_90, rows
+    not 16-byte aligned. Under the interpreter they run as indexed loads (the same semantics:
+    zeros outside the tensor)."""
+    if TensorDescriptor is None:
+        return None
+    dev = k_cache.device
+    if not (interpreting() or _sm90_plus(dev.type, dev.index)):
+        return None
+    hkv, max_ctx, hd = k_cache.shape
+    if (hd * k_cache.element_size()) % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return None
+    shape, strides, block = [hkv * max_ctx, hd], [hd, 1], [block_n, hdp]
+    return (TensorDescriptor(k_cache, shape, strides, block),
+            TensorDescriptor(v_cache, shape, strides, block))
 
 
 def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -262,7 +314,8 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_norm_w, k_norm_w [hd], k_cache, v_cache [Hkv, max_ctx, hd] contiguous (written at the new
     positions), out [T, H*hd] (allocated by the caller). Returns out. `config` (ATTN_KEYS)
     overrides the tile table of the attention pass (BLOCK_M = rows of the stacked Q tile =
-    query tokens x next_power_of_2(H / Hkv)): the tuner sweeps through it. `table`: the tile
+    query tokens x next_power_of_2(H / Hkv); KV_LOAD: KV_POINTERS or KV_TMA; LOOP: LOOP_PLAIN
+    or LOOP_WARP_SPEC; keys left out keep the built-in choice): the tuner sweeps through it. `table`: the tile
     table file (gemm.TUNING_PATH; None: the built-in tiles only).
     """
     H, Hkv, hd = num_heads, num_kv_heads, head_dim
@@ -319,19 +372,28 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
         START_PTR=start_ptr, num_warps=4)
     if config is not None:
-        cfg = dict(config)
+        # an explicit config may leave the Hopper knobs out: they keep the built-in choice
+        cfg = dict(_attention_config(T, hdp, group_p), **config)
     else:
         cfg = (tuned_config(attention_kernel_name(H, Hkv, hd), T, ATTN_KEYS, table)
                or _attention_config(T, hdp, group_p))
     block_m = cfg["BLOCK_M"]
     if block_m < 16 or block_m & (block_m - 1) or block_m < group_p:
         raise ValueError(f"BLOCK_M must be a power of two >= max(16, {group_p}), got {block_m}")
+    if cfg["KV_LOAD"] not in (KV_POINTERS, KV_TMA) or cfg["LOOP"] not in (LOOP_PLAIN, LOOP_WARP_SPEC):
+        raise ValueError(f"KV_LOAD must be {KV_POINTERS} or {KV_TMA} and LOOP "
+                         f"{LOOP_PLAIN} or {LOOP_WARP_SPEC}, got {cfg['KV_LOAD']}, {cfg['LOOP']}")
     tok = block_m // group_p                  # query tokens per program
     qk_scale = hd ** -0.5 * _LOG2E                        # softmax in the exp2 domain
+    descs = _kv_descriptors(k_cache, v_cache, cfg["BLOCK_N"], hdp) \
+        if cfg["KV_LOAD"] == KV_TMA else None
+    k_src, v_src = descs or (k_cache, v_cache)
     _attention_prefill_kernel[(Hkv, cdiv(T, tok))](
-        qg, q_norm_w, cos_tab, sin_tab, k_cache, v_cache, out, T, start_pos, max_ctx,
+        qg, q_norm_w, cos_tab, sin_tab, k_src, v_src, out, T, start_pos, max_ctx,
         qg.stride(0), out.stride(0), qk_scale, eps,
         GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,
-        BLOCK_N=cfg["BLOCK_N"], PRO_ROWS=min(block_m, _PROLOGUE_ROWS), DOT_PREC=dot_precision(dt),
-        START_PTR=start_ptr, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["BLOCK_N"], PRO_ROWS=min(block_m, _PROLOGUE_ROWS), KV_DESC=descs is not None,
+        WARP_SPEC=cfg["LOOP"] == LOOP_WARP_SPEC,
+        DOT_PREC=dot_precision(dt), START_PTR=start_ptr, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out

@@ -85,15 +85,28 @@ def gdn_grid(quick: bool) -> list[dict]:
 
 def attn_grid(quick: bool, T: int) -> list[dict]:
     """BLOCK_M counts stacked rows (tokens x the 4 query heads of a KV head). At head_dim 256
-    the sm_90 compile keeps the key loop spill-free only with 8 warps: 64 x 32 is clean, 64 x 64
-    spills a little inside the loop, 4 warps spill heavily - so 4 warps are not swept."""
-    g = _grid(BLOCK_M=[32, 64, 128], BLOCK_N=[32, 64], num_warps=[8], num_stages=[2, 3])
-    g = [c for c in g if not (c["BLOCK_M"] == 128 and c["BLOCK_N"] == 64)]
-    if quick:           # 6 configs at most
-        g = [c for c in g if c["num_stages"] == 2 or (c["BLOCK_M"], c["BLOCK_N"]) == (64, 32)]
-    if T <= 256:
-        g = [c for c in g if c["BLOCK_M"] <= 64]
-    return g
+    (sm_90a compile): K/V tiles through tensor descriptors (KV_TMA) keep 128 x 64 tiles on 8
+    warps at ~230 registers without spills, pointer loads only 128 x 32; shared memory caps
+    the pipeline (128 x 64 takes 192 KB at 2 stages, 3 do not fit; 128 x 128 never fits).
+    64-row tiles on 4 warps with <= 96 KB of shared memory run two programs a multiprocessor.
+    LOOP_WARP_SPEC compiles to the same code as plain on sm_90 with Triton 3.6-3.9 (kept in
+    the full grid for a Triton that specialises Hopper loops)."""
+    A = attn_mod
+
+    def cfg(bm, bn, warps, stages, load=A.KV_TMA, loop=A.LOOP_PLAIN):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, KV_LOAD=load,
+                    LOOP=loop)
+
+    if T <= 256:        # few tokens: short tiles, more programs
+        g = [cfg(16, 64, 4, 2), cfg(32, 32, 4, 2), cfg(32, 64, 4, 2), cfg(64, 32, 8, 2),
+             cfg(64, 64, 8, 2), cfg(64, 32, 8, 2, A.KV_POINTERS)]
+        return g[:4] if quick else g
+    g = [cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(128, 32, 8, 3), cfg(64, 32, 4, 2),
+         cfg(64, 64, 4, 1), cfg(128, 32, 8, 2, A.KV_POINTERS)]
+    if quick:           # 5 configs
+        return g[:5]
+    return g + [cfg(64, 64, 4, 2), cfg(64, 32, 4, 1), cfg(128, 32, 8, 3, A.KV_POINTERS),
+                cfg(128, 64, 8, 2, loop=A.LOOP_WARP_SPEC)]
 
 
 def gemm_shapes(c) -> dict[str, tuple[int, int, bool, bool, int]]:

@@ -4,7 +4,9 @@ sigmoid gate)."""
 import pytest
 import torch
 
-from tritonchat.kernels.flash_attention import attention_prefill
+from tritonchat.kernels import flash_attention as fa
+from tritonchat.kernels.flash_attention import (KV_POINTERS, KV_TMA, LOOP_PLAIN, LOOP_WARP_SPEC,
+                                                attention_prefill)
 from tritonchat.kernels.reference import attention_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,6 +172,102 @@ def test_attention_stacked_head_tiles(dims, cfg, T, start_pos):
     attention_prefill(qg, k, v, qw, kw, kc, vc, start_pos, out, config=cfg, **dims)
     ref, _, _ = _run(attention_prefill_ref, inputs, start_pos, dims)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# the Hopper knobs: K/V tiles through tensor descriptors (TMA) or pointers, the unmasked key loop
+# plain or warp specialised; every combination computes the same function
+LOADS = [(KV_TMA, LOOP_PLAIN), (KV_POINTERS, LOOP_PLAIN), (KV_TMA, LOOP_WARP_SPEC)]
+LOAD_IDS = ["tma", "pointers", "tma_ws"]
+
+
+def _dims(group, hd, rot):
+    return dict(num_heads=2 * group, num_kv_heads=2, head_dim=hd, rotary_dim=rot,
+                rope_theta=1e4, eps=1e-6)
+
+
+def _check_cfg(T, start_pos, dims, dtype, cfg, seed):
+    """attention_prefill with `cfg` against the reference; the cache rows past the chunk hold
+    NaN (a descriptor load reads them: they must not reach the output)."""
+    inputs = _inputs(T, dims, dtype, seed, start_pos, start_pos + T + 7)
+    qg, k, v, qw, kw, k_cache, v_cache = inputs
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = torch.full((T, dims["num_heads"] * dims["head_dim"]), float("nan"), device=DEVICE,
+                     dtype=dtype)
+    attention_prefill(qg, k, v, qw, kw, kc, vc, start_pos, out, config=cfg, **dims)
+    ref, kc_ref, _ = _run(attention_prefill_ref, inputs, start_pos, dims)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(kc, kc_ref, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("load,loop", LOADS, ids=LOAD_IDS)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+def test_attention_kv_load_modes(T, group, load, loop):
+    """Both K/V load paths and both loop schedules over the chunk boundaries, a cached history,
+    GQA groups 1/2/4, a head_dim that is not a power of two (its tile padded to 64 columns)."""
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, KV_LOAD=load, LOOP=loop)
+    _check_cfg(T, 21, _dims(group, 40, 10), torch.float32, cfg, seed=T * 3 + group)
+
+
+@pytest.mark.parametrize("load,loop", LOADS, ids=LOAD_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,start_pos,group", [(65, 70, 4), (63, 0, 2), (1, 130, 1)])
+def test_attention_head_dim_256(T, start_pos, group, dtype, load, loop):
+    """The model's head_dim 256 (a quarter rotated) at the built-in tile of long prompts and
+    at a tile whose diagonal spans several key blocks."""
+    dims = _dims(group, 256, 64)
+    _check_cfg(T, start_pos, dims, dtype, dict(KV_LOAD=load, LOOP=loop), seed=T + group)
+    cfg = dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3, KV_LOAD=load, LOOP=loop)
+    _check_cfg(T, start_pos, dims, dtype, cfg, seed=T + group + 1)
+
+
+@pytest.mark.parametrize("hd,dtype,usable", [
+    (40, torch.float32, True), (40, torch.float16, True), (256, torch.float16, True),
+    (36, torch.float16, False),     # 72-byte rows: not 16-byte aligned, pointers instead
+    (33, torch.float32, False),
+])
+def test_attention_descriptor_fallback(hd, dtype, usable):
+    """Descriptors serve wherever the cache rows are 16-byte aligned (the interpreter runs
+    them as indexed loads); elsewhere KV_TMA falls back to pointer loads, same results."""
+    dims = _dims(2, hd, 8 if hd % 2 == 0 else 6)
+    cache = torch.zeros(2, 50, hd, dtype=dtype, device=DEVICE)
+    assert (fa._kv_descriptors(cache, cache.clone(), 16, max(16, 1 << (hd - 1).bit_length()))
+            is not None) == usable
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, KV_LOAD=KV_TMA, LOOP=LOOP_PLAIN)
+    _check_cfg(30, 9, dims, dtype, cfg, seed=hd)
+
+
+def test_attention_rejects_unknown_knobs():
+    inputs = _inputs(4, SMALL, torch.float32, seed=0, start_pos=0, max_ctx=6)
+    qg, k, v, qw, kw, kc, vc = inputs
+    out = torch.empty(4, 4 * 48, device=DEVICE)
+    for bad in (dict(KV_LOAD=3), dict(LOOP=0)):
+        with pytest.raises(ValueError):
+            attention_prefill(qg, k, v, qw, kw, kc, vc, 0, out, **SMALL, config=bad)
+
+
+def test_built_in_config_keys():
+    """The built-in config carries exactly the keys the tile table holds, at every length."""
+    for T in (1, 5, 64, 2048, 8192):
+        for hdp, gp in ((256, 4), (64, 1)):
+            cfg = fa._attention_config(T, hdp, gp)
+            assert set(cfg) == set(fa.ATTN_KEYS)
+            assert cfg["BLOCK_M"] >= gp and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
+
+
+def test_packaged_table_entries_carry_the_launcher_keys():
+    """A table entry with other keys is silently skipped (tuned_config): the packaged table's
+    attention entries must carry exactly ATTN_KEYS, with knob values the launcher accepts."""
+    import json
+    from tritonchat.kernels.gemm import TUNING_PATH
+    entries = [e for t in json.loads(open(TUNING_PATH).read())["tables"]
+               for name, per_t in t["configs"].items() if name.startswith("flash_attention_")
+               for e in per_t.values()]
+    assert entries
+    for e in entries:
+        assert set(e) == set(fa.ATTN_KEYS), e
+        assert e["KV_LOAD"] in (KV_POINTERS, KV_TMA) and e["LOOP"] in (LOOP_PLAIN, LOOP_WARP_SPEC)
 
 
 @pytest.mark.slow
