@@ -37,7 +37,8 @@ def _grid(**axes) -> list[dict]:
 
 def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
     """Candidate configs (every key of gemm.GEMM_KEYS) of one GEMM shape, N its output columns
-    (0: unknown, no split-K candidates). Short prompts: the grid form's thin tiles. Long ones:
+    (0: unknown, no split-K candidates). Short prompts: the grid form's thin tiles, and split-K
+    in 2 or 4 slices (the K slices fill the SMs that a few output tiles leave idle). Long ones:
     the grid form's 128-row tiles and the persistent TMA form (128 x 128 / 128 x 256 tiles,
     the tile loop flattened or not), plus split-K in 2 slices for the narrow N shapes, whose
     tiles do not fill the SMs. (Warp specialization measured no different on an H100 with
@@ -46,6 +47,9 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
     if T <= 256:        # weight-bandwidth bound: thin M tiles, more CTAs
         g = _grid(BLOCK_M=[64], BLOCK_N=[64, 128], BLOCK_K=[64, 128], GROUP_M=[8],
                   num_warps=[4], num_stages=[3, 4], **grid_form)
+        if N > 0:       # N = 1,024 at 64-wide tiles is 16-32 programs for 132 SMs: cut K too
+            g += _grid(BLOCK_M=[64, 128], BLOCK_N=[64], BLOCK_K=[64, 128], GROUP_M=[8], num_warps=[4],
+                       num_stages=[4], **dict(grid_form, PERSISTENT=[1], SPLIT_K=[2, 4]))
     else:
         g = _grid(BLOCK_M=[128], BLOCK_N=[64, 128, 256], BLOCK_K=[64], GROUP_M=[8],
                   num_warps=[4, 8], num_stages=[3, 4], **grid_form)
