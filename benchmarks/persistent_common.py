@@ -3,27 +3,24 @@
 
     device helpers (inline PTX, GPU only)   globaltimer, stall, wait_counter, signal
     weight tiles                            rows_load
-    host                                    the tritonchat import shim, CUDA-graph timing,
+    host                                    the tritonchat import, CUDA-graph timing,
                                             rel_err, the co-residency check of a persistent
-                                            grid, ptxas register counts, the watchdog, rounding
-                                            of the JSON
+                                            grid, the watchdog, rounding of the JSON
 
 The scripts choose the interpreter (TRITON_INTERPRET=1 for --device cpu) before importing this
 module: triton.jit reads it when it decorates the functions below.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from _bench_util import shim_checkout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,21 +33,7 @@ def import_tritonchat():
         return
     except ImportError:
         pass
-    root = Path(__file__).resolve().parent.parent
-    tag = hashlib.sha1(str(root).encode()).hexdigest()[:10]
-    shim = Path(tempfile.gettempdir()) / f"tritonchat_shim_{tag}"
-    pkg = shim / "tritonchat"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").touch()
-    for d in ("engine", "kernels", "app", "resources"):
-        link = pkg / d
-        if link.is_symlink() and os.readlink(link) != str(root / d):
-            link.unlink()
-        if not link.exists():
-            os.symlink(root / d, link)
-    sys.path.insert(0, str(shim))
-    for m in [m for m in sys.modules if m == "tritonchat" or m.startswith("tritonchat.")]:
-        del sys.modules[m]
+    shim_checkout()
 
 
 def cdiv(a, b):
@@ -203,30 +186,6 @@ def programs_per_sm(compiled, num_warps, device):
     by_smem = smem_sm // (shared + 1024) if shared else 32
     return dict(regs=regs, spills=spills, shared=shared,
                 programs_per_sm_max=min(by_regs, by_thr, by_smem, 32))
-
-
-def ptxas_regs(ptx):
-    """Registers / spills per thread from `ptxas -v` on the PTX (sm_90a), if ptxas is around."""
-    import re
-    import subprocess
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            p = get_ptxas(90)
-        except TypeError:
-            p = get_ptxas()
-        ptxas = p.path if hasattr(p, "path") else p[0]
-    except Exception:
-        return {}
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        with open(f, "w") as fh:
-            fh.write(ptx)
-        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    m = re.search(r"Used (\d+) registers", r.stderr)
-    sp = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return dict(regs=int(m.group(1)) if m else None, spill_stores=int(sp.group(1)) if sp else None)
 
 
 # ------------------------------------------------------------------------------------------

@@ -85,8 +85,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import ptxas_regs  # noqa: E402
 from persistent_common import (INTERPRET, cdiv, globaltimer, import_tritonchat,  # noqa: E402
-                               make_timed, next_pow2, programs_per_sm, ptxas_regs, rel_err,
+                               make_timed, next_pow2, programs_per_sm, rel_err,
                                round_floats, rows_load, signal, stall, start_watchdog, sync,
                                time_us, wait_counter)
 
