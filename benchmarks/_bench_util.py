@@ -1,9 +1,10 @@
 """Host helpers the benchmark scripts share (no Triton kernels here, so a script may import this
 before it chooses the interpreter):
 
-    shim_checkout   tritonchat from this checkout through a symlink shim (the device runs the
-                    repo without installing it)
-    ptxas_regs      registers / spills a thread from `ptxas -v` on a kernel's PTX
+    interpret_if_cpu  TRITON_INTERPRET=1 for --device cpu, before triton.jit decorates anything
+    shim_checkout     tritonchat from this checkout through a symlink shim (the device runs
+                      the repo without installing it)
+    ptxas_regs        registers / spills a thread from `ptxas -v` on a kernel's PTX
 """
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def interpret_if_cpu():
+    """Choose the Triton interpreter when the command line asks for --device cpu: triton.jit
+    reads TRITON_INTERPRET when it decorates a kernel, so call this before importing any."""
+    if "--device" in sys.argv:
+        i = sys.argv.index("--device")
+        if i + 1 < len(sys.argv) and sys.argv[i + 1] == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def shim_checkout():

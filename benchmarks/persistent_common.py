@@ -6,6 +6,9 @@
     host                                    the tritonchat import, CUDA-graph timing,
                                             rel_err, the co-residency check of a persistent
                                             grid, the watchdog, rounding of the JSON
+    driver                                  the arguments both take, device and L2, the
+                                            offline sm_90 compile, the HBM read rate and
+                                            roofline, the variant loop, the best variant
 
 The scripts choose the interpreter (TRITON_INTERPRET=1 for --device cpu) before importing this
 module: triton.jit reads it when it decorates the functions below.
@@ -15,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 
 import torch
 import triton
 import triton.language as tl
 
-from _bench_util import shim_checkout
+from _bench_util import ptxas_regs, shim_checkout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -188,6 +192,24 @@ def programs_per_sm(compiled, num_warps, device):
                 programs_per_sm_max=min(by_regs, by_thr, by_smem, 32))
 
 
+def check_co_resident(warmup, num_warps, device, ppsm, info):
+    """Compile a persistent kernel without launching it (warmup() returns the compiled kernel)
+    and check that `ppsm` programs fit on an SM at once: `info` updated with programs_per_sm's
+    dict and returned; raises if they do not fit. Where it cannot be compiled here, info gets
+    a warning and the spin timeout stays the only guard."""
+    try:
+        occ = programs_per_sm(warmup(), num_warps, device)
+    except Exception as e:               # fall back on the spin timeout alone
+        info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
+        return info
+    info.update(occ)
+    if occ["programs_per_sm_max"] < ppsm:
+        raise RuntimeError(f"grid not co-resident: {ppsm} programs/SM asked, "
+                           f"{occ['programs_per_sm_max']} fit (regs {occ['regs']}, shared "
+                           f"{occ['shared']} B, {num_warps} warps)")
+    return info
+
+
 # ------------------------------------------------------------------------------------------
 # host: reporting
 # ------------------------------------------------------------------------------------------
@@ -222,3 +244,154 @@ def round_floats(o):
     if isinstance(o, list):
         return [round_floats(v) for v in o]
     return o
+
+
+# ------------------------------------------------------------------------------------------
+# host: the driver (arguments, device, watchdog, HBM rate, variant loop, verdict)
+# ------------------------------------------------------------------------------------------
+
+def add_driver_args(p, by_name, default_variants, layers, iters, reps):
+    """The arguments both premise tests take, ahead of each script's own."""
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--iters", type=int, default=iters, help="graph replays per timing round")
+    p.add_argument("--reps", type=int, default=reps, help="chains per graph (per replay)")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
+    p.add_argument("--variant", default=default_variants,
+                   help=f"comma list from: {', '.join(by_name)}")
+    p.add_argument("--all", action="store_true", help="every variant")
+
+
+def add_run_args(p, deadline_s, cpu_programs_help, compile_only_help):
+    """The arguments both premise tests take after each script's own: spin guard, HBM rate,
+    interpreter grid, watchdog, offline compile."""
+    p.add_argument("--spin-timeout-ms", type=float, default=50.0)
+    p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
+    p.add_argument("--cpu-programs", type=int, default=3, help=cpu_programs_help)
+    p.add_argument("--deadline-s", type=float, default=deadline_s,
+                   help="watchdog: past this, print what was measured (JSON, partial) and "
+                        "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
+    p.add_argument("--compile-only", action="store_true", help=compile_only_help)
+
+
+def selected(args, by_name):
+    """The variants --all or --variant names, in order."""
+    names = list(by_name) if args.all else [n.strip() for n in args.variant.split(",") if n.strip()]
+    bad = [n for n in names if n not in by_name]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; choose from {list(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def compile_sm90(fn, sig, constexprs, num_warps, ptx_counts):
+    """Offline sm_90 compile of `fn` (no GPU): dict(ok, s, cubin, **ptx_counts(ptx), shared,
+    **ptxas registers), or dict(ok=False, error)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    s = dict(sig)
+    s.update({k: "constexpr" for k in constexprs})
+    t0 = time.time()
+    try:
+        # pointers 16-byte aligned, as a real launch specialises them (vector loads)
+        attrs = {(i,): [["tt.divisibility", 16]]
+                 for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+        k = triton.compile(ASTSource(fn=fn, signature=s, constexprs=constexprs, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps))
+        ptx = k.asm["ptx"]
+        info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
+                    **ptx_counts(ptx), shared=int(k.metadata.shared))
+        info.update(ptxas_regs(ptx))
+    except Exception as e:
+        info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+    return info
+
+
+def compile_only_result(out):
+    """The final JSON line of --compile-only; exit status 0 when every compile succeeded."""
+    print(json.dumps({"compile_only": out}))
+    return 0 if all(i.get("ok") for i in out.values()) else 1
+
+
+def open_device(args, cpu_hint):
+    """The torch device of --device, refused without CUDA or (on CPU) without the interpreter."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"no CUDA device; use {cpu_hint} under TRITON_INTERPRET=1")
+    if dev.type == "cpu" and not INTERPRET:
+        raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
+    return dev
+
+
+def device_l2(dev, res):
+    """L2 bytes of the GPU (50 MiB off CUDA); on CUDA its name, SMs and L2 go into res, and
+    TF32 is off for the references."""
+    l2 = 50 << 20
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        l2 = int(getattr(props, "L2_cache_size", l2) or l2)
+        res.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=l2)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return l2
+
+
+def under_watchdog(args, res, t_start, run):
+    """run() with the --deadline-s watchdog armed over it (res["variants"] is what it prints)."""
+    watchdog = None
+    if args.deadline_s > 0:
+        watchdog = start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
+    try:
+        return run()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def hbm_roofline(args, dev, res, nbytes):
+    """The HBM read rate measured in this run (kernels/bandwidth.py; None off CUDA or when it
+    fails) and the roofline of reading `nbytes` at it, in us; both go into res."""
+    bw = None
+    if dev.type == "cuda":
+        try:
+            from tritonchat.kernels.bandwidth import read_rates_gb_s
+            rates = read_rates_gb_s(int(args.bw_bytes), dev)
+            bw = max(rates.values())
+            res["hbm_read_gb_s"] = {k: round(v, 1) for k, v in rates.items()}
+        except Exception as e:
+            print(f"# bandwidth measurement failed: {e}", flush=True)
+    roof_us = nbytes / (bw * 1e3) if bw else None
+    res["hbm_gb_s"] = round(bw, 1) if bw else None
+    res["roofline_us"] = round(roof_us, 3) if roof_us else None
+    return bw, roof_us
+
+
+def run_variants(variants, measure, out, dev, row):
+    """measure(v) for each variant into out[v.name] (what, mode, its results, seconds); a
+    failure is recorded and the loop goes on, unless it took the CUDA context down."""
+    for v in variants:
+        r = dict(what=v.what, mode=v.mode)
+        out[v.name] = r
+        t_v = time.time()
+        try:
+            measure(v)
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {e}"[:1500]
+            r["traceback"] = traceback.format_exc()[-1500:]
+            print(f"# {v.name} FAILED: {r['error']}", flush=True)
+            if dev.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e2:       # a dead context: later variants cannot run
+                    print(f"# CUDA context lost ({e2}); stopping", flush=True)
+                    r["seconds"] = round(time.time() - t_v, 1)
+                    break
+        r["seconds"] = round(time.time() - t_v, 1)
+        print("# " + row(v.name, r), flush=True)
+
+
+def best_persistent(out):
+    """The correct persistent variant nearest the roofline, or None."""
+    best = None
+    for name, r in out.items():
+        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
+            if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
+                best = name
+    return best

@@ -35,16 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# The interpreter must be chosen before triton.jit decorates anything.
-if "--device" in sys.argv:
-    _i = sys.argv.index("--device")
-    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import ROOT, interpret_if_cpu, ptxas_regs, shim_checkout  # noqa: E402
+
+interpret_if_cpu()      # before triton.jit decorates anything
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import ROOT, ptxas_regs, shim_checkout  # noqa: E402
 
 
 def _import_checkout():
