@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import traceback
 
@@ -385,6 +386,40 @@ def run_variants(variants, measure, out, dev, row):
                     break
         r["seconds"] = round(time.time() - t_v, 1)
         print("# " + row(v.name, r), flush=True)
+
+
+def time_chains(runner, n_sets, args, graph, dev, r):
+    """r["graphed"], r["us_per_chain"] (the median of --rounds rounds) and r["us_min"]: the
+    runner's chain cycled over `n_sets` weight sets, in a CUDA graph where `graph`; raises when a
+    spin timed out meanwhile."""
+    fn, per, graphed = make_timed(runner, n_sets, args.reps, graph)
+    r["graphed"] = graphed
+    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
+    r["us_per_chain"] = statistics.median(ts)
+    r["us_min"] = min(ts)
+    if runner.errored():
+        raise RuntimeError("spin timeout during timing")
+
+
+def stall_cost(runner, stall_op, injected_ns, n_sets, args, graph, dev, r):
+    """What one task stalling --stall-ns costs the chain: the same compiled kernel with stall 0
+    and --stall-ns in one task of operator `stall_op`, alternated over --rounds, into r;
+    injected_ns() reads the stall the kernel actually spent."""
+    fns = []
+    for ns in (0, args.stall_ns):
+        runner.stall_op, runner.stall_ns = stall_op, ns
+        fns.append(make_timed(runner, n_sets, args.reps, graph))
+    runner.stall_op, runner.stall_ns = -1, 0
+    t0s, t1s = [], []
+    for _ in range(args.rounds):
+        t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
+        t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
+    r["stall_us_injected"] = injected_ns() / 1e3
+    r["stall_base_us"] = statistics.median(t0s)
+    r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
+    r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
+    if runner.errored():
+        raise RuntimeError("spin timeout during the stall runs")
 
 
 def best_persistent(out):

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -84,9 +83,9 @@ import triton.language as tl  # noqa: E402
 from persistent_common import (INTERPRET, add_driver_args, add_run_args,  # noqa: E402
                                best_persistent, cdiv, check_co_resident, compile_only_result,
                                compile_sm90, device_l2, globaltimer, hbm_roofline,
-                               import_tritonchat, make_timed, next_pow2, open_device, rel_err,
-                               round_floats, rows_load, run_variants, selected, signal, stall, sync,
-                               time_us, under_watchdog, wait_counter)
+                               import_tritonchat, next_pow2, open_device, rel_err, round_floats,
+                               rows_load, run_variants, selected, signal, stall, stall_cost, sync,
+                               time_chains, under_watchdog, wait_counter)
 
 import_tritonchat()
 
@@ -897,14 +896,8 @@ def measure_variant(v, chain, args, dev, ctx):
         runner.run(0)
         r["us_per_chain"] = (time.perf_counter() - t) * 1e6
         return r
-    n_sets, reps = ctx["n_sets"], args.reps
-    fn, per, graphed = make_timed(runner, n_sets, reps, ctx["graph"])
-    r["graphed"] = graphed
-    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
-    r["us_per_chain"] = statistics.median(ts)
-    r["us_min"] = min(ts)
-    if runner.errored():
-        raise RuntimeError("spin timeout during timing")
+    n_sets = ctx["n_sets"]
+    time_chains(runner, n_sets, args, ctx["graph"], dev, r)
     if ctx["roof_us"]:
         r["gb_s"] = ctx["chain_bytes"] / (r["us_per_chain"] * 1e3)
         r["frac_roofline"] = ctx["roof_us"] / r["us_per_chain"]
@@ -920,21 +913,8 @@ def measure_variant(v, chain, args, dev, ctx):
         r["op_us_by_kind"] = {name: sum(t[k::N_OPS]) for k, name in enumerate(OPS)}
     # stall injection: the same compiled kernel with stall 0 and stall_ns, alternated
     if not args.no_stall and not INTERPRET:
-        fns = []
-        for ns in (0, args.stall_ns):
-            runner.stall_op, runner.stall_ns = ctx["stall_op"], ns
-            fns.append(make_timed(runner, n_sets, reps, ctx["graph"]))
-        runner.stall_op, runner.stall_ns = -1, 0
-        t0s, t1s = [], []
-        for _ in range(args.rounds):
-            t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
-            t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
-        r["stall_us_injected"] = int(runner.stall_rec[0].item()) / 1e3
-        r["stall_base_us"] = statistics.median(t0s)
-        r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
-        r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
-        if runner.errored():
-            raise RuntimeError("spin timeout during the stall runs")
+        stall_cost(runner, ctx["stall_op"], lambda: int(runner.stall_rec[0].item()), n_sets,
+                   args, ctx["graph"], dev, r)
     return r
 
 
