@@ -109,21 +109,27 @@ SP_THRESHOLD_K = tl.constexpr(SOFTPLUS_THRESHOLD)
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, SPIN: tl.constexpr,
-             PERSIST: tl.constexpr, PDL: tl.constexpr):
+def _my_tasks(pid, G, N: tl.constexpr, BN: tl.constexpr):
+    """This program's share of an operator of N rows in tasks of BN rows (task t is program
+    t mod G's): how many tasks, and the rows of the first with their mask."""
+    T: tl.constexpr = (N + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    rows = pid * BN + tl.arange(0, BN)
+    return n_mine, rows, rows < N
+
+
+@triton.jit
+def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, stall_op, pid, stall_ns, stall_rec_ptr,
+             SPIN: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, STALL: tl.constexpr):
     """Wait for operator q's inputs: the previous operator's counter (persistent; the chain's
-    first operator waits for nothing) or the previous launch (PDL)."""
+    first operator waits for nothing) or the previous launch (PDL). Then the injected stall:
+    the program of operator stall_op's first task spins stall_ns."""
     if PERSIST:
         if q > 0:
             wait_counter(cnt_ptr + q - 1, target, err_ptr, timeout_ns, SPIN)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL: tl.constexpr):
-    """The injected stall: the program of operator stall_op's first task spins stall_ns."""
     if STALL:
         if (q == stall_op) & (pid == 0):
             stall(stall_ns, stall_rec_ptr)
@@ -159,18 +165,15 @@ def _in_proj(h_ptr, proj_ptr, w_l, nw_l, cw_l, cs_l, cnt_ptr, err_ptr, stamp_ptr
     engine's conv epilogue on the qkv rows (state shifted in place). Returns x (the normed
     input), which the z rows of operator 1 reuse."""
     HP: tl.constexpr = triton.next_power_of_2(H)
-    T: tl.constexpr = (N_IN + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, N_IN, BN)
     offs = tl.arange(0, HP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < N_IN
     # before the wait: my first tile, its conv weights and state (this program wrote that state
     # in the previous chain), the norm weights
     w_c = rows_load(w_l, rows, ok, offs, H, HP)
     r0, w2, s2, sn = _epi_pre(rows, ok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
     nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     x = _rms_x(h_ptr, nw, offs, eps, H)
     for i in range(n_mine):
         nrows = rows + G * BN
@@ -274,8 +277,8 @@ def _core_z(x, proj_ptr, z_ptr, o_ptr, wz_l, rec_l, alog_l, dtb_l, cnt_ptr, err_
         y = tl.sum(wz_c.to(tl.float32) * x[None, :], axis=1)
         tl.store(z_ptr + zrows, y.to(z_ptr.dtype.element_ty), mask=zok)
         zrows, zok, wz_c = nz, nzok, wz_n
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     for j in range(n_c):
         c = pid + j * G
         n_ptrs, n_mask = _state_tile(rec_l, c + G, offs_k, offs_v0, DK, DV, HV, BV)
@@ -296,19 +299,16 @@ def _out_proj(h_ptr, z_ptr, o_ptr, w_l, gnw_l, cnt_ptr, err_ptr, stamp_ptr, stal
     """Operator 2: h[rows] += W_out[rows] @ round(w_g * round(o_j * rsqrt(mean(o_j^2) + eps))
     * silu(z_j)) per value head j (Hv and dv powers of two: the input is one [Hv, dv] tile)."""
     VD: tl.constexpr = HV * DV
-    T: tl.constexpr = (H + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
     offs = tl.arange(0, VD)
     dd = tl.arange(0, DV)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < H
     # before the wait: my first tile, the norm weight, my residual rows (last written by the
     # previous layer's down, complete before this layer's in_proj started)
     w_c = rows_load(w_l, rows, ok, offs, VD, VD)
     r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     gw = tl.load(gnw_l + dd).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     off2 = tl.arange(0, HV)[:, None] * DV + dd[None, :]
     o2 = tl.load(o_ptr + off2, cache_modifier=".cg")
     zf = tl.load(z_ptr + off2, cache_modifier=".cg").to(tl.float32)
@@ -336,16 +336,13 @@ def _gate_up(h_ptr, act_ptr, w_l, nw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_p
              STAMP: tl.constexpr, PDL: tl.constexpr):
     """Operator 3: act[rows] = round(silu(Wg[rows] x) * (Wu[rows] x)), x = the post norm of h."""
     HP: tl.constexpr = triton.next_power_of_2(H)
-    T: tl.constexpr = (I + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, I, BN)
     offs = tl.arange(0, HP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < I
     wg_c = rows_load(w_l, rows, ok, offs, H, HP)
     wu_c = rows_load(w_l + I * H, rows, ok, offs, H, HP)
     nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     x = _rms_x(h_ptr, nw, offs, eps, H)
     for i in range(n_mine):
         nrows = rows + G * BN
@@ -368,15 +365,12 @@ def _down(h_ptr, act_ptr, w_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
     """Operator 4: h[rows] += Wd[rows] @ act (residual rows read before the wait: the out_proj
     that wrote them is complete once the gate|up started)."""
     IP: tl.constexpr = triton.next_power_of_2(I)
-    T: tl.constexpr = (H + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
     offs = tl.arange(0, IP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < H
     w_c = rows_load(w_l, rows, ok, offs, I, IP)
     r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     av = tl.load(act_ptr + offs, mask=offs < I, other=0.0, cache_modifier=".cg").to(tl.float32)
     for i in range(n_mine):
         nrows = rows + G * BN
