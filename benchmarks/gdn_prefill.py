@@ -210,18 +210,9 @@ def _ms(fn, args, graph: bool) -> float:
 
 
 def _split(kernels, make, args) -> list[float]:
-    """Cumulative-prefix times with the later launches removed: each launch's own ms."""
-    saved = [k.run for k in kernels]
-    times = []
-    try:
-        for n_on in range(1, len(kernels) + 1):
-            for i, k in enumerate(kernels):
-                k.run = saved[i] if i < n_on else (lambda *a, **kw: None)
-            times.append(_ms(make(), args, graph=True))
-    finally:
-        for k, r in zip(kernels, saved):
-            k.run = r
-    return [times[0]] + [b - a for a, b in zip(times, times[1:])]
+    """Each launch's own ms: the tuner's cumulative prefixes, timed as this script times."""
+    from tritonchat.engine.tuning.prefill import launch_split
+    return launch_split(kernels, lambda: _ms(make(), args, graph=True))
 
 
 def _regs_spills(mod, cfg: dict, fn) -> dict:

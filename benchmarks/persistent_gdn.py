@@ -66,29 +66,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# The interpreter must be chosen before triton.jit decorates anything below.
-if "--device" in sys.argv:
-    _i = sys.argv.index("--device")
-    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import interpret_if_cpu  # noqa: E402
+
+interpret_if_cpu()      # before triton.jit decorates anything below
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from persistent_common import (INTERPRET, cdiv, globaltimer, import_tritonchat,  # noqa: E402
-                               make_timed, next_pow2, programs_per_sm, ptxas_regs, rel_err,
-                               round_floats, rows_load, signal, stall, start_watchdog, sync,
-                               time_us, wait_counter)
+from persistent_common import (INTERPRET, add_driver_args, add_run_args,  # noqa: E402
+                               best_persistent, cdiv, check_co_resident, compile_only_result,
+                               compile_sm90, device_l2, globaltimer, hbm_roofline,
+                               import_tritonchat, next_pow2, open_device, rel_err, round_floats,
+                               rows_load, run_variants, selected, signal, stall, stall_cost, sync,
+                               time_chains, under_watchdog, wait_counter)
 
 import_tritonchat()
 
@@ -112,21 +109,27 @@ SP_THRESHOLD_K = tl.constexpr(SOFTPLUS_THRESHOLD)
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, SPIN: tl.constexpr,
-             PERSIST: tl.constexpr, PDL: tl.constexpr):
+def _my_tasks(pid, G, N: tl.constexpr, BN: tl.constexpr):
+    """This program's share of an operator of N rows in tasks of BN rows (task t is program
+    t mod G's): how many tasks, and the rows of the first with their mask."""
+    T: tl.constexpr = (N + BN - 1) // BN
+    n_mine = (T - pid + G - 1) // G
+    rows = pid * BN + tl.arange(0, BN)
+    return n_mine, rows, rows < N
+
+
+@triton.jit
+def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, stall_op, pid, stall_ns, stall_rec_ptr,
+             SPIN: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, STALL: tl.constexpr):
     """Wait for operator q's inputs: the previous operator's counter (persistent; the chain's
-    first operator waits for nothing) or the previous launch (PDL)."""
+    first operator waits for nothing) or the previous launch (PDL). Then the injected stall:
+    the program of operator stall_op's first task spins stall_ns."""
     if PERSIST:
         if q > 0:
             wait_counter(cnt_ptr + q - 1, target, err_ptr, timeout_ns, SPIN)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL: tl.constexpr):
-    """The injected stall: the program of operator stall_op's first task spins stall_ns."""
     if STALL:
         if (q == stall_op) & (pid == 0):
             stall(stall_ns, stall_rec_ptr)
@@ -162,18 +165,15 @@ def _in_proj(h_ptr, proj_ptr, w_l, nw_l, cw_l, cs_l, cnt_ptr, err_ptr, stamp_ptr
     engine's conv epilogue on the qkv rows (state shifted in place). Returns x (the normed
     input), which the z rows of operator 1 reuse."""
     HP: tl.constexpr = triton.next_power_of_2(H)
-    T: tl.constexpr = (N_IN + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, N_IN, BN)
     offs = tl.arange(0, HP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < N_IN
     # before the wait: my first tile, its conv weights and state (this program wrote that state
     # in the previous chain), the norm weights
     w_c = rows_load(w_l, rows, ok, offs, H, HP)
     r0, w2, s2, sn = _epi_pre(rows, ok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
     nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     x = _rms_x(h_ptr, nw, offs, eps, H)
     for i in range(n_mine):
         nrows = rows + G * BN
@@ -277,8 +277,8 @@ def _core_z(x, proj_ptr, z_ptr, o_ptr, wz_l, rec_l, alog_l, dtb_l, cnt_ptr, err_
         y = tl.sum(wz_c.to(tl.float32) * x[None, :], axis=1)
         tl.store(z_ptr + zrows, y.to(z_ptr.dtype.element_ty), mask=zok)
         zrows, zok, wz_c = nz, nzok, wz_n
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     for j in range(n_c):
         c = pid + j * G
         n_ptrs, n_mask = _state_tile(rec_l, c + G, offs_k, offs_v0, DK, DV, HV, BV)
@@ -299,19 +299,16 @@ def _out_proj(h_ptr, z_ptr, o_ptr, w_l, gnw_l, cnt_ptr, err_ptr, stamp_ptr, stal
     """Operator 2: h[rows] += W_out[rows] @ round(w_g * round(o_j * rsqrt(mean(o_j^2) + eps))
     * silu(z_j)) per value head j (Hv and dv powers of two: the input is one [Hv, dv] tile)."""
     VD: tl.constexpr = HV * DV
-    T: tl.constexpr = (H + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
     offs = tl.arange(0, VD)
     dd = tl.arange(0, DV)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < H
     # before the wait: my first tile, the norm weight, my residual rows (last written by the
     # previous layer's down, complete before this layer's in_proj started)
     w_c = rows_load(w_l, rows, ok, offs, VD, VD)
     r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     gw = tl.load(gnw_l + dd).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     off2 = tl.arange(0, HV)[:, None] * DV + dd[None, :]
     o2 = tl.load(o_ptr + off2, cache_modifier=".cg")
     zf = tl.load(z_ptr + off2, cache_modifier=".cg").to(tl.float32)
@@ -339,16 +336,13 @@ def _gate_up(h_ptr, act_ptr, w_l, nw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_p
              STAMP: tl.constexpr, PDL: tl.constexpr):
     """Operator 3: act[rows] = round(silu(Wg[rows] x) * (Wu[rows] x)), x = the post norm of h."""
     HP: tl.constexpr = triton.next_power_of_2(H)
-    T: tl.constexpr = (I + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, I, BN)
     offs = tl.arange(0, HP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < I
     wg_c = rows_load(w_l, rows, ok, offs, H, HP)
     wu_c = rows_load(w_l + I * H, rows, ok, offs, H, HP)
     nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     x = _rms_x(h_ptr, nw, offs, eps, H)
     for i in range(n_mine):
         nrows = rows + G * BN
@@ -371,15 +365,12 @@ def _down(h_ptr, act_ptr, w_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
     """Operator 4: h[rows] += Wd[rows] @ act (residual rows read before the wait: the out_proj
     that wrote them is complete once the gate|up started)."""
     IP: tl.constexpr = triton.next_power_of_2(I)
-    T: tl.constexpr = (H + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
+    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
     offs = tl.arange(0, IP)
-    rows = pid * BN + tl.arange(0, BN)
-    ok = rows < H
     w_c = rows_load(w_l, rows, ok, offs, I, IP)
     r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, SPIN, PERSIST, PDL)
-    _op_stall(q, stall_op, pid, stall_ns, stall_rec_ptr, STALL)
+    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
+             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
     av = tl.load(act_ptr + offs, mask=offs < I, other=0.0, cache_modifier=".cg").to(tl.float32)
     for i in range(n_mine):
         nrows = rows + G * BN
@@ -806,24 +797,15 @@ class Runner:
         if not self.is_cuda or self.v.mode != "persist":
             return None
         c = self.c
-        info = dict(grid=self.G, programs_per_sm=self.ppsm)
-        try:
-            k = _gdn_chain_kernel.warmup(
+        return check_co_resident(
+            lambda: _gdn_chain_kernel.warmup(
                 c.h, c.proj, c.z, c.o, c.act, c.w_in, c.conv_w, c.a_log, c.dt_bias, c.in_nw,
                 c.g_nw, c.w_out, c.post_nw, c.w_gu, c.w_d, c.conv, c.rec,
                 self.cnt, self.epoch, self.err, self.stamps, self.stall_rec,
                 self.nl, 0, 0, self.G, c.eps, 1.0, -1, 0, self.timeout_ns, self.n_stamp,
-                PHASE=-1, PDL=0, grid=(self.G,), **self.meta)
-            occ = programs_per_sm(k, self.meta["num_warps"], c.device)
-        except Exception as e:               # fall back on the spin timeout alone
-            info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
-            return info
-        info.update(occ)
-        if occ["programs_per_sm_max"] < self.ppsm:
-            raise RuntimeError(f"grid not co-resident: {self.ppsm} programs/SM asked, "
-                               f"{occ['programs_per_sm_max']} fit (regs {occ['regs']}, shared "
-                               f"{occ['shared']} B, {self.meta['num_warps']} warps)")
-        return info
+                PHASE=-1, PDL=0, grid=(self.G,), **self.meta),
+            self.meta["num_warps"], c.device, self.ppsm,
+            dict(grid=self.G, programs_per_sm=self.ppsm))
 
     def errored(self):
         return self.v.mode != "baseline" and int(self.err.item()) != 0
@@ -908,14 +890,8 @@ def measure_variant(v, chain, args, dev, ctx):
         runner.run(0)
         r["us_per_chain"] = (time.perf_counter() - t) * 1e6
         return r
-    n_sets, reps = ctx["n_sets"], args.reps
-    fn, per, graphed = make_timed(runner, n_sets, reps, ctx["graph"])
-    r["graphed"] = graphed
-    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
-    r["us_per_chain"] = statistics.median(ts)
-    r["us_min"] = min(ts)
-    if runner.errored():
-        raise RuntimeError("spin timeout during timing")
+    n_sets = ctx["n_sets"]
+    time_chains(runner, n_sets, args, ctx["graph"], dev, r)
     if ctx["roof_us"]:
         r["gb_s"] = ctx["chain_bytes"] / (r["us_per_chain"] * 1e3)
         r["frac_roofline"] = ctx["roof_us"] / r["us_per_chain"]
@@ -931,21 +907,8 @@ def measure_variant(v, chain, args, dev, ctx):
         r["op_us_by_kind"] = {name: sum(t[k::N_OPS]) for k, name in enumerate(OPS)}
     # stall injection: the same compiled kernel with stall 0 and stall_ns, alternated
     if not args.no_stall and not INTERPRET:
-        fns = []
-        for ns in (0, args.stall_ns):
-            runner.stall_op, runner.stall_ns = ctx["stall_op"], ns
-            fns.append(make_timed(runner, n_sets, reps, ctx["graph"]))
-        runner.stall_op, runner.stall_ns = -1, 0
-        t0s, t1s = [], []
-        for _ in range(args.rounds):
-            t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
-            t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
-        r["stall_us_injected"] = int(runner.stall_rec[0].item()) / 1e3
-        r["stall_base_us"] = statistics.median(t0s)
-        r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
-        r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
-        if runner.errored():
-            raise RuntimeError("spin timeout during the stall runs")
+        stall_cost(runner, ctx["stall_op"], lambda: int(runner.stall_rec[0].item()), n_sets,
+                   args, ctx["graph"], dev, r)
     return r
 
 
@@ -954,8 +917,6 @@ def measure_variant(v, chain, args, dev, ctx):
 # ------------------------------------------------------------------------------------------
 
 def compile_only(args, shape, variants):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     dt = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[args.dtype]
     sig = dict(h_ptr=dt, proj_ptr=dt, z_ptr=dt, o_ptr=dt, act_ptr=dt, w_in_ptr=dt,
                conv_w_ptr=dt, alog_ptr="*fp32", dtb_ptr=dt, in_nw_ptr=dt, g_nw_ptr="*fp32",
@@ -971,31 +932,16 @@ def compile_only(args, shape, variants):
         meta = kernel_meta(args, shape)
         nwarps = meta.pop("num_warps")
         meta.update(STALL=True, STAMP=True, PHASE=ph, PDL=0 if ph == -1 else 1)
-        s = dict(sig)
-        s.update({k: "constexpr" for k in meta})
         key = "persist" if ph == -1 else f"phase/{OPS[ph]}"
-        t0 = time.time()
-        try:
-            # pointers 16-byte aligned, as a real launch specialises them (vector loads)
-            attrs = {(i,): [["tt.divisibility", 16]]
-                     for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
-            k = triton.compile(ASTSource(fn=_gdn_chain_kernel, signature=s, constexprs=meta,
-                                         attrs=attrs),
-                               target=GPUTarget("cuda", 90, 64), options=dict(num_warps=nwarps))
-            ptx = k.asm["ptx"]
-            info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
-                        acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
-                        globaltimer=ptx.count("%globaltimer"), shared=int(k.metadata.shared))
-            info.update(ptxas_regs(ptx))
-            if info.get("regs"):
-                info["programs_per_sm_by_regs"] = 65536 // (cdiv(info["regs"] * 32, 256) * 256
-                                                             * nwarps)
-        except Exception as e:
-            info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+        info = compile_sm90(_gdn_chain_kernel, sig, meta, nwarps, lambda ptx: dict(
+            acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
+            globaltimer=ptx.count("%globaltimer")))
+        if info.get("regs"):
+            info["programs_per_sm_by_regs"] = 65536 // (cdiv(info["regs"] * 32, 256) * 256
+                                                         * nwarps)
         out[key] = info
         print(key, json.dumps(info), flush=True)
-    print(json.dumps({"compile_only": out}))
-    return 0 if all(i.get("ok") for i in out.values()) else 1
+    return compile_only_result(out)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1005,15 +951,9 @@ def compile_only(args, shape, variants):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--iters", type=int, default=30, help="graph replays per timing round")
-    p.add_argument("--reps", type=int, default=8, help="chains per graph (per replay)")
-    p.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
+    add_driver_args(p, BY_NAME, DEFAULT_VARIANTS, layers=3, iters=30, reps=8)
     p.add_argument("--eager-chains", type=int, default=20,
                    help="eager baseline chains for the per-kernel event table (0: none)")
-    p.add_argument("--variant", default=DEFAULT_VARIANTS,
-                   help=f"comma list from: {', '.join(BY_NAME)}")
-    p.add_argument("--all", action="store_true", help="every variant")
     p.add_argument("--phase", action="store_true",
                    help="only the variants without spinning (baseline, phase) and the persistent "
                         "one as a single program: what the interpreter can run")
@@ -1040,15 +980,9 @@ def parse_args(argv=None):
                    help="operator index that stalls (default: the middle layer's GDN core)")
     p.add_argument("--no-stall", action="store_true")
     p.add_argument("--no-graph", action="store_true")
-    p.add_argument("--spin-timeout-ms", type=float, default=50.0)
-    p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
-    p.add_argument("--cpu-programs", type=int, default=3,
-                   help="grid of the phase mode under the interpreter")
-    p.add_argument("--deadline-s", type=float, default=170.0,
-                   help="watchdog: past this, print what was measured (JSON, partial) and "
-                        "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
-    p.add_argument("--compile-only", action="store_true",
-                   help="offline sm_90 compile of the kernel (no GPU), ptxas registers")
+    add_run_args(p, deadline_s=170.0,
+                 cpu_programs_help="grid of the phase mode under the interpreter",
+                 compile_only_help="offline sm_90 compile of the kernel (no GPU), ptxas registers")
     args = p.parse_args(argv)
     base = TINY if args.tiny else Shape()
     args.shape = Shape(**{k: (getattr(args, k) if getattr(args, k) is not None else d)
@@ -1057,11 +991,7 @@ def parse_args(argv=None):
 
 
 def select(args):
-    names = list(BY_NAME) if args.all else [n.strip() for n in args.variant.split(",") if n.strip()]
-    bad = [n for n in names if n not in BY_NAME]
-    if bad:
-        raise SystemExit(f"unknown variants {bad}; choose from {list(BY_NAME)}")
-    vs = [BY_NAME[n] for n in names]
+    vs = selected(args, BY_NAME)
     if args.phase or INTERPRET:
         # the interpreter runs the persistent kernel as one program (its own waits satisfied);
         # the persistent variants differ only in grid and spin there: one of them
@@ -1084,11 +1014,7 @@ def main(argv=None):
     variants = select(args)
     if args.compile_only:
         return compile_only(args, shape, variants)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --device cpu --tiny --phase under TRITON_INTERPRET=1")
-    if dev.type == "cpu" and not INTERPRET:
-        raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
+    dev = open_device(args, "--device cpu --tiny --phase")
     dtype = getattr(torch, args.dtype)
     t_start = time.time()
     res = dict(device=str(dev), dtype=args.dtype, layers=args.layers, shape=asdict(shape),
@@ -1100,12 +1026,7 @@ def main(argv=None):
     print(f"# task rows from the engine's plans: in_proj {args.bn_in}, z {args.bn_z}, core V-tile "
           f"{args.bv}, out_proj {args.bn_out}, gate_up {args.bn_gu}+{args.bn_gu}, down "
           f"{args.bn_d}; {args.num_warps} warps; persistent grid SMs x {args.ppsm}", flush=True)
-    l2 = 50 << 20
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        l2 = int(getattr(props, "L2_cache_size", l2) or l2)
-        res.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=l2)
-        torch.backends.cuda.matmul.allow_tf32 = False
+    l2 = device_l2(dev, res)
     wb, sb = chain_bytes(shape, args.layers, dtype)
     n_sets = args.sets or (max(1, min(8, cdiv(4 * l2, wb + sb))) if dev.type == "cuda" else 2)
     print(f"# building {args.layers} GDN layers x {n_sets} weight sets, {shape} {args.dtype} on "
@@ -1115,30 +1036,14 @@ def main(argv=None):
                chain_bytes=wb + sb)
     out = {}
     res["variants"] = out
-    watchdog = None
-    if args.deadline_s > 0:
-        watchdog = start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
-    try:
-        return _run_variants(args, variants, dev, chain, res, out, n_sets, t_start)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
+    return under_watchdog(args, res, t_start,
+                          lambda: _run_variants(args, variants, dev, chain, res, out, n_sets,
+                                                t_start))
 
 
 def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
-    bw = None
-    if dev.type == "cuda":
-        try:
-            from tritonchat.kernels.bandwidth import read_rates_gb_s
-            rates = read_rates_gb_s(int(args.bw_bytes), dev)
-            bw = max(rates.values())
-            res["hbm_read_gb_s"] = {k: round(v, 1) for k, v in rates.items()}
-        except Exception as e:
-            print(f"# bandwidth measurement failed: {e}", flush=True)
     chain_bytes = res["chain_bytes"]
-    roof_us = chain_bytes / (bw * 1e3) if bw else None
-    res["hbm_gb_s"] = round(bw, 1) if bw else None
-    res["roofline_us"] = round(roof_us, 3) if roof_us else None
+    bw, roof_us = hbm_roofline(args, dev, res, chain_bytes)
     if bw:
         print(f"# HBM read {bw:.0f} GB/s; {chain_bytes / 1e6:.2f} MB a chain "
               f"({res['chain_weight_bytes'] / 1e6:.2f} weights + {res['chain_state_bytes'] / 1e6:.2f}"
@@ -1150,25 +1055,7 @@ def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
                tol=dict(bfloat16=3e-2, float16=5e-3, float32=1e-4)[args.dtype],
                graph=not args.no_graph and dev.type == "cuda", roof_us=roof_us,
                chain_bytes=chain_bytes)
-    for v in variants:
-        r = dict(what=v.what, mode=v.mode)
-        out[v.name] = r
-        t_v = time.time()
-        try:
-            measure_variant(v, chain, args, dev, ctx)
-        except Exception as e:
-            r["error"] = f"{type(e).__name__}: {e}"[:1500]
-            r["traceback"] = traceback.format_exc()[-1500:]
-            print(f"# {v.name} FAILED: {r['error']}", flush=True)
-            if dev.type == "cuda":
-                try:
-                    torch.cuda.synchronize()
-                except Exception as e2:       # a dead context: later variants cannot run
-                    print(f"# CUDA context lost ({e2}); stopping", flush=True)
-                    r["seconds"] = round(time.time() - t_v, 1)
-                    break
-        r["seconds"] = round(time.time() - t_v, 1)
-        print("# " + _row(v.name, r), flush=True)
+    run_variants(variants, lambda v: measure_variant(v, chain, args, dev, ctx), out, dev, _row)
     _report(args, res, out, chain_bytes, roof_us, bw, stall_op, t_start)
     return 0
 
@@ -1206,11 +1093,7 @@ def _report(args, res, out, chain_bytes, roof_us, bw, stall_op, t_start):
             for _, r in pers:
                 line += f" {sum(r['op_us']):14.2f}"
             print(line)
-    best = None
-    for name, r in out.items():
-        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
-            if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
-                best = name
+    best = best_persistent(out)
     verdict = None
     if best:
         b = out[best]

@@ -69,29 +69,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
-# The interpreter must be chosen before triton.jit decorates anything below.
-if "--device" in sys.argv:
-    _i = sys.argv.index("--device")
-    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import interpret_if_cpu  # noqa: E402
+
+interpret_if_cpu()      # before triton.jit decorates anything below
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from persistent_common import (INTERPRET, cdiv, import_tritonchat, make_timed,  # noqa: E402
-                               next_pow2, programs_per_sm, ptxas_regs, rel_err, round_floats,
-                               rows_load, signal, stall, start_watchdog, sync, time_us,
-                               wait_counter)
+from persistent_common import (INTERPRET, add_driver_args, add_run_args,  # noqa: E402
+                               best_persistent, cdiv, check_co_resident, compile_only_result,
+                               compile_sm90, device_l2, hbm_roofline, import_tritonchat, make_timed,
+                               next_pow2, open_device, rel_err, round_floats, rows_load,
+                               run_variants, selected, signal, stall, stall_cost, sync, time_chains,
+                               time_us, under_watchdog, wait_counter)
 
 import_tritonchat()
 
@@ -765,25 +763,13 @@ class Runner:
         if not self.is_cuda or self.v.mode != "persist":
             return None
         c = self.c
-        info = dict(grid=self.G)
-        try:
-            k = _mlp_chain_kernel.warmup(
+        self.occupancy = dict(grid=self.G)      # filled in place, also when it cannot fit
+        return check_co_resident(
+            lambda: _mlp_chain_kernel.warmup(
                 c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
                 self.nl, 0, 0, self.G, c.eps, -1, 0, self.timeout_ns, PHASE=-1, PDL=0,
-                grid=(self.G,), **self.meta)
-            occ = programs_per_sm(k, self.meta["num_warps"], c.device)
-        except Exception as e:               # fall back on the spin timeout alone
-            info["warning"] = f"occupancy not checked ({type(e).__name__}: {e})"[:300]
-            self.occupancy = info
-            return info
-        info.update(occ)
-        fit, regs, shared = occ["programs_per_sm_max"], occ["regs"], occ["shared"]
-        warps = self.meta["num_warps"]
-        self.occupancy = info
-        if fit < self.ppsm:
-            raise RuntimeError(f"grid not co-resident: {self.ppsm} programs/SM asked, "
-                               f"{fit} fit (regs {regs}, shared {shared} B, {warps} warps)")
-        return info
+                grid=(self.G,), **self.meta),
+            self.meta["num_warps"], c.device, self.ppsm, self.occupancy)
 
     def errored(self):
         return self.v.mode != "baseline" and int(self.err.item()) != 0
@@ -794,10 +780,7 @@ class Runner:
 # ------------------------------------------------------------------------------------------
 
 def compile_only(args, variants):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     resolve_tiles(args)
-    H, I = args.hidden, args.inter
     G = args.sms
     sig = dict(h_ptr="*bf16", act_ptr="*bf16", nw_ptr="*bf16", wgu_ptr="*bf16", wd_ptr="*bf16",
                cnt_ptr="*i32", epoch_ptr="*i32", err_ptr="*i32", stamp_ptr="*i64",
@@ -817,33 +800,19 @@ def compile_only(args, variants):
             nwarps = const.pop("num_warps")
             const["STALL"] = True
             c = dict(const, PHASE=ph, PDL=1 if v.mode == "phase" else 0)
-            s = dict(sig)
-            s.update({k: "constexpr" for k in c})
-            t0 = time.time()
             key = f"{v.name}/PHASE={ph}"
-            try:
-                # pointers 16-byte aligned, as a real launch specialises them (vector loads)
-                attrs = {(i,): [["tt.divisibility", 16]]
-                         for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
-                k = triton.compile(ASTSource(fn=_mlp_chain_kernel, signature=s, constexprs=c,
-                                             attrs=attrs),
-                                   target=GPUTarget("cuda", 90, 64),
-                                   options=dict(num_warps=nwarps))
-                ptx = k.asm["ptx"]
-                info = dict(ok=True, s=round(time.time() - t0, 1), cubin=len(k.asm["cubin"]),
-                            prefetch=ptx.count("prefetch.global.L2"),
-                            bulk=ptx.count("cp.async.bulk.prefetch"),
-                            globaltimer=ptx.count("%globaltimer"),
-                            atom=ptx.count("atom.") + ptx.count("red.global"),
-                            acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
-                            shared=int(k.metadata.shared))
-                info.update(ptxas_regs(ptx))
-            except Exception as e:
-                info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+            info = compile_sm90(_mlp_chain_kernel, sig, c, nwarps, _ptx_counts)
             out[key] = info
             print(key, json.dumps(info), flush=True)
-    print(json.dumps({"compile_only": out}))
-    return 0 if all(i.get("ok") for i in out.values()) else 1
+    return compile_only_result(out)
+
+
+def _ptx_counts(ptx):
+    return dict(prefetch=ptx.count("prefetch.global.L2"),
+                bulk=ptx.count("cp.async.bulk.prefetch"),
+                globaltimer=ptx.count("%globaltimer"),
+                atom=ptx.count("atom.") + ptx.count("red.global"),
+                acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -853,13 +822,7 @@ def compile_only(args, variants):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--iters", type=int, default=40, help="graph replays per timing round")
-    p.add_argument("--reps", type=int, default=12, help="chains per graph (per replay)")
-    p.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
-    p.add_argument("--variant", default=DEFAULT_VARIANTS,
-                   help=f"comma list from: {', '.join(BY_NAME)}")
-    p.add_argument("--all", action="store_true", help="every variant")
+    add_driver_args(p, BY_NAME, DEFAULT_VARIANTS, layers=4, iters=40, reps=12)
     p.add_argument("--phase", action="store_true",
                    help="only the variants that run one launch per operator (+ baseline): "
                         "what the interpreter can run")
@@ -892,25 +855,16 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-marginal", action="store_true",
                    help="skip the half-chain timing (marginal time per layer)")
-    p.add_argument("--spin-timeout-ms", type=float, default=50.0)
-    p.add_argument("--bw-bytes", type=float, default=1e9, help="buffer read for the HBM rate")
-    p.add_argument("--cpu-programs", type=int, default=3,
-                   help="grid under the interpreter (programs stride over the tiles)")
-    p.add_argument("--deadline-s", type=float, default=115.0,
-                   help="watchdog: past this, print what was measured (JSON, partial) and "
-                        "exit 3 (a hung kernel cannot be interrupted otherwise); 0: off")
-    p.add_argument("--compile-only", action="store_true",
-                   help="offline sm_90 compile of the variants (no GPU), ptxas registers")
+    add_run_args(p, deadline_s=115.0,
+                 cpu_programs_help="grid under the interpreter (programs stride over the tiles)",
+                 compile_only_help="offline sm_90 compile of the variants (no GPU), ptxas "
+                                   "registers")
     p.add_argument("--sms", type=int, default=132, help="SM count for --compile-only")
     return p.parse_args(argv)
 
 
 def select(args):
-    names = list(BY_NAME) if args.all else [n.strip() for n in args.variant.split(",") if n.strip()]
-    bad = [n for n in names if n not in BY_NAME]
-    if bad:
-        raise SystemExit(f"unknown variants {bad}; choose from {list(BY_NAME)}")
-    vs = [BY_NAME[n] for n in names]
+    vs = selected(args, BY_NAME)
     if args.phase:
         vs = [v for v in vs if v.mode in ("baseline", "phase")]
     if INTERPRET:
@@ -975,13 +929,7 @@ def measure_variant(v, chain, args, dev, ctx):
         runner.run(0)
         r["us_per_chain"] = (time.perf_counter() - t) * 1e6
         return r
-    fn, per, graphed = make_timed(runner, n_sets, args.reps, graph)
-    r["graphed"] = graphed
-    ts = [time_us(fn, per, args.iters, dev) for _ in range(args.rounds)]
-    r["us_per_chain"] = statistics.median(ts)
-    r["us_min"] = min(ts)
-    if runner.errored():
-        raise RuntimeError("spin timeout during timing")
+    time_chains(runner, n_sets, args, graph, dev, r)
     roof_us = ctx["roof_us"]
     if roof_us:
         r["gb_s"] = chain.weight_bytes / (r["us_per_chain"] * 1e3)
@@ -1004,21 +952,8 @@ def measure_variant(v, chain, args, dev, ctx):
         r["fixed_us_per_chain"] = r["us_per_chain"] - chain.L * per_layer
     # stall injection: the same compiled kernel with stall 0 and stall_ns, alternated
     if v.mode != "baseline" and not args.no_stall and not INTERPRET:
-        fns = []
-        for ns in (0, args.stall_ns):
-            runner.stall_op, runner.stall_ns = ctx["stall_op"], ns
-            fns.append(make_timed(runner, n_sets, args.reps, graph))
-        runner.stall_op, runner.stall_ns = -1, 0
-        t0s, t1s = [], []
-        for _ in range(args.rounds):
-            t0s.append(time_us(fns[0][0], fns[0][1], args.iters, dev))
-            t1s.append(time_us(fns[1][0], fns[1][1], args.iters, dev))
-        r["stall_us_injected"] = int(runner.stamp[0].item()) / 1e3
-        r["stall_base_us"] = statistics.median(t0s)
-        r["stall_cost_us"] = statistics.median(t1s) - statistics.median(t0s)
-        r["stall_cost_spread_us"] = [min(t1s) - max(t0s), max(t1s) - min(t0s)]
-        if runner.errored():
-            raise RuntimeError("spin timeout during the stall runs")
+        stall_cost(runner, ctx["stall_op"], lambda: int(runner.stamp[0].item()), n_sets, args,
+                   graph, dev, r)
     return r
 
 
@@ -1027,11 +962,7 @@ def main(argv=None):
     variants = select(args)
     if args.compile_only:
         return compile_only(args, variants)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --device cpu --phase under TRITON_INTERPRET=1")
-    if dev.type == "cpu" and not INTERPRET:
-        raise SystemExit("--device cpu needs TRITON_INTERPRET=1")
+    dev = open_device(args, "--device cpu --phase")
     dtype = getattr(torch, args.dtype)
     t_start = time.time()
     resolve_tiles(args)
@@ -1043,12 +974,7 @@ def main(argv=None):
     print(f"# task body from the plans: gate_up {args.bn_gu}+{args.bn_gu} rows, K tile "
           f"{args.bk_gu}; down {args.bn_d} rows, K tile {args.bk_d}; {args.num_warps} warps; "
           f"persistent grid SMs x {args.ppsm}", flush=True)
-    l2 = 50 << 20
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        l2 = int(getattr(props, "L2_cache_size", l2) or l2)
-        res.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=l2)
-        torch.backends.cuda.matmul.allow_tf32 = False
+    l2 = device_l2(dev, res)
     esz = torch.empty((), dtype=dtype).element_size()
     chain_bytes = args.layers * (3 * args.hidden * args.inter + args.hidden) * esz
     n_sets = args.sets or max(1, min(8, cdiv(4 * l2, chain_bytes)))
@@ -1060,30 +986,13 @@ def main(argv=None):
     res.update(weight_sets=n_sets, chain_weight_bytes=chain.weight_bytes)
     out = {}
     res["variants"] = out
-    watchdog = None
-    if args.deadline_s > 0:
-        watchdog = start_watchdog(res, args.deadline_s - (time.time() - t_start), t_start)
-    try:
-        return _run_variants(args, variants, dev, chain, res, out, n_sets, t_start)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
+    return under_watchdog(args, res, t_start,
+                          lambda: _run_variants(args, variants, dev, chain, res, out, n_sets,
+                                                t_start))
 
 
 def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
-    # HBM read rate, measured in this run
-    bw = None
-    if dev.type == "cuda":
-        try:
-            from tritonchat.kernels.bandwidth import read_rates_gb_s
-            rates = read_rates_gb_s(int(args.bw_bytes), dev)
-            bw = max(rates.values())
-            res["hbm_read_gb_s"] = {k: round(v, 1) for k, v in rates.items()}
-        except Exception as e:
-            print(f"# bandwidth measurement failed: {e}", flush=True)
-    roof_us = chain.weight_bytes / (bw * 1e3) if bw else None
-    res["hbm_gb_s"] = round(bw, 1) if bw else None
-    res["roofline_us"] = round(roof_us, 3) if roof_us else None
+    bw, roof_us = hbm_roofline(args, dev, res, chain.weight_bytes)
     if bw:
         print(f"# HBM read {bw:.0f} GB/s; {chain.weight_bytes / 1e6:.2f} MB of weights a chain; "
               f"roofline {roof_us:.2f} us a chain", flush=True)
@@ -1093,25 +1002,7 @@ def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
     ctx = dict(out=out, refs=[chain.reference(0)], stall_op=stall_op, n_sets=n_sets,
                tol=dict(bfloat16=2e-2, float16=5e-3, float32=1e-4)[args.dtype],
                graph=not args.no_graph and dev.type == "cuda", roof_us=roof_us)
-    for v in variants:
-        r = dict(what=v.what, mode=v.mode)
-        out[v.name] = r
-        t_v = time.time()
-        try:
-            measure_variant(v, chain, args, dev, ctx)
-        except Exception as e:
-            r["error"] = f"{type(e).__name__}: {e}"[:1500]
-            r["traceback"] = traceback.format_exc()[-1500:]
-            print(f"# {v.name} FAILED: {r['error']}", flush=True)
-            if dev.type == "cuda":
-                try:
-                    torch.cuda.synchronize()
-                except Exception as e2:       # a dead context: later variants cannot run
-                    print(f"# CUDA context lost ({e2}); stopping", flush=True)
-                    r["seconds"] = round(time.time() - t_v, 1)
-                    break
-        r["seconds"] = round(time.time() - t_v, 1)
-        print("# " + _row(v.name, r), flush=True)
+    run_variants(variants, lambda v: measure_variant(v, chain, args, dev, ctx), out, dev, _row)
 
     # report
     print()
@@ -1124,11 +1015,7 @@ def _run_variants(args, variants, dev, chain, res, out, n_sets, t_start):
               f"{bw:.0f} GB/s; %marg = roofline of one layer / marginal time of one layer "
               f"({args.layers} vs {args.layers // 2} layers); stall: {args.stall_ns} ns in one "
               f"task of operator {stall_op}")
-    best = None
-    for name, r in out.items():
-        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
-            if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
-                best = name
+    best = best_persistent(out)
     verdict = None
     if best:
         b = out[best]

@@ -26,7 +26,6 @@ reads them without masking fails the check. A human table, then ONE final JSON l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -36,15 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# The interpreter must be chosen before triton.jit decorates anything.
-if "--device" in sys.argv:
-    _i = sys.argv.index("--device")
-    if _i + 1 < len(sys.argv) and sys.argv[_i + 1] == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import ROOT, interpret_if_cpu, ptxas_regs, shim_checkout  # noqa: E402
+
+interpret_if_cpu()      # before triton.jit decorates anything
 
 import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _import_checkout():
@@ -56,19 +52,7 @@ def _import_checkout():
             return
     except ImportError:
         pass
-    tag = hashlib.sha1(str(ROOT).encode()).hexdigest()[:10]
-    pkg = Path(tempfile.gettempdir()) / f"tritonchat_shim_{tag}" / "tritonchat"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").touch()
-    for d in ("engine", "kernels", "app", "resources"):
-        link = pkg / d
-        if link.is_symlink() and os.readlink(link) != str(ROOT / d):
-            link.unlink()
-        if not link.exists():
-            os.symlink(ROOT / d, link)
-    sys.path.insert(0, str(pkg.parent))
-    for m in [m for m in sys.modules if m == "tritonchat" or m.startswith("tritonchat.")]:
-        del sys.modules[m]
+    shim_checkout()
 
 
 _import_checkout()
@@ -300,7 +284,7 @@ def compile_only(configs, dims) -> int:
             ptx = k.asm["ptx"]
             info = dict(ok=True, s=round(time.time() - t0, 1), shared_kb=k.metadata.shared // 1024,
                         wgmma=ptx.count("wgmma.mma_async"),
-                        tma=ptx.count("cp.async.bulk.tensor"), **_ptxas_report(ptx))
+                        tma=ptx.count("cp.async.bulk.tensor"), **ptxas_regs(ptx))
         except Exception as e:
             info = dict(ok=False, error=f"{type(e).__name__}: {e}"[-1500:])
             ok = False
@@ -308,30 +292,6 @@ def compile_only(configs, dims) -> int:
         print(f"{name:22s} {json.dumps(info)}", flush=True)
     print(json.dumps({"compile_only": out}))
     return 0 if ok else 1
-
-
-def _ptxas_report(ptx) -> dict:
-    """Registers a thread and spill bytes from `ptxas -v` (sm_90a) on the PTX, if ptxas is
-    around."""
-    import re
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            p = get_ptxas(90)
-        except TypeError:
-            p = get_ptxas()
-        ptxas = p.path if hasattr(p, "path") else p[0]
-    except Exception:
-        return {}
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        with open(f, "w") as fh:
-            fh.write(ptx)
-        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    m = re.search(r"Used (\d+) registers", r.stderr)
-    sp = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return dict(regs=int(m.group(1)) if m else None, spill_stores=int(sp.group(1)) if sp else None)
 
 
 def parse_args(argv=None):

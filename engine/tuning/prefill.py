@@ -224,6 +224,23 @@ def _sweep(label: str, make_fn, grid: list[dict], quick: bool) -> tuple[dict, fl
     return best, best_ms, default_ms
 
 
+def launch_split(kernels, measure) -> list[float]:
+    """Each launch's own time in a sequence of Triton `kernels`: measure() times the whole
+    sequence with the later launches made no-ops, one more launch on each time; the
+    differences of those cumulative prefixes."""
+    saved = [k.run for k in kernels]
+    times = []
+    try:
+        for n_on in range(1, len(kernels) + 1):
+            for i, k in enumerate(kernels):
+                k.run = saved[i] if i < n_on else (lambda *a, **kw: None)
+            times.append(measure())
+    finally:
+        for k, r in zip(kernels, saved):
+            k.run = r
+    return [times[0]] + [b - a for a, b in zip(times, times[1:])]
+
+
 def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
     """Time the GDN launches alone (prepare, or inverse / w_u, then state / output) with `cfg`
     (None: the built-in), by running with the later launches removed: differences of
@@ -232,17 +249,7 @@ def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
     full = cfg or gdn_mod.gdn_config(c.linear_num_value_heads, c.linear_key_head_dim,
                                      c.linear_value_head_dim, bench.T, table=None)
     names, kernels = zip(*gdn_mod.gdn_launches(full))
-    saved = [k.run for k in kernels]
-    times = []
-    try:
-        for n_on in range(1, len(kernels) + 1):
-            for i, k in enumerate(kernels):
-                k.run = saved[i] if i < n_on else (lambda *a, **kw: None)
-            times.append(_time(bench.gdn_fn(cfg), quick))
-    finally:
-        for k, r in zip(kernels, saved):
-            k.run = r
-    own = [times[0]] + [b - a for a, b in zip(times, times[1:])]
+    own = launch_split(kernels, lambda: _time(bench.gdn_fn(cfg), quick))
     return " | ".join(f"{n} {t * 1e3:.1f} us" for n, t in zip(names, own))
 
 

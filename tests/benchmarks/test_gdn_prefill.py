@@ -1,28 +1,14 @@
 """benchmarks/gdn_prefill.py (issue #60, the GDN layer's prefill kernels old vs new) without a
 GPU: the script's tiny run under the interpreter, plain and padded, new against the old kernels
 (main's files at OLD_REV, from git) where the history is there, and against the reference."""
-import importlib.util
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gdn_prefill.py"
+from tests.benchmarks.util import ROOT, last_json, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gdn_prefill_bench_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _load()
+B = load_script("gdn_prefill")
 
 
 def _have_old_rev() -> bool:
@@ -38,7 +24,7 @@ def test_script_tiny_run(capsys, old):
         pytest.skip(f"no git history with {B.OLD_REV} here")
     argv = ["--device", "cpu", "--tiny", "--T", "70", "--pad", "40"]
     rc = B.main(argv + ([] if old else ["--old-rev", "none"]))
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = last_json(capsys.readouterr().out)
     assert rc == 0 and res["ok"]
     for form, t in (("plain", 70), ("padded", 30)):
         r = res["results"][0][form]
@@ -73,3 +59,29 @@ def test_gdn_launches_are_the_launches_in_order():
     finally:
         for k, run in zip(kernels, saved):
             k.run = run
+
+
+def test_launch_split_gives_each_launch_its_own_time():
+    """The per-launch split the script (and the prefill tuner) reports: with the later launches
+    made no-ops, the cumulative prefixes' differences are each launch's own cost; the launchers
+    are restored afterwards, also when a timing fails."""
+    from tritonchat.engine.tuning.prefill import launch_split
+
+    class Kernel:
+        def __init__(self, cost):
+            self.cost = cost
+            self.run = self.launch
+
+        def launch(self, *a, **kw):
+            return self.cost
+
+    kernels = [Kernel(3.0), Kernel(0.5), Kernel(7.25)]
+    chain = lambda: sum(k.run() or 0.0 for k in kernels)      # noqa: E731
+    assert launch_split(kernels, chain) == [3.0, 0.5, 7.25]
+    assert all(k.run == k.launch for k in kernels)
+
+    def failing():
+        raise RuntimeError("timing failed")
+    with pytest.raises(RuntimeError):
+        launch_split(kernels, failing)
+    assert all(k.run == k.launch for k in kernels)

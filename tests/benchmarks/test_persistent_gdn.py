@@ -4,30 +4,12 @@ spinning) and its persistent path as one program, under the Triton interpreter, 
 PyTorch reference of the chain (kernels/reference.py) at tiny shapes; the script's CPU smoke run
 (the engine's DecodeStep as the baseline); an offline sm_90 compile. On the device: the
 persistent kernel on its real grid against the engine's kernels at the true shape."""
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "persistent_gdn.py"
-ON_CPU = not torch.cuda.is_available()
+from tests.benchmarks.util import ON_CPU, compile_only, last_json, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("persistent_gdn_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod            # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = load_script("persistent_gdn")
 
 TOL = {torch.float32: 2e-5, torch.float16: 6e-3}
 
@@ -113,8 +95,7 @@ def test_script_cpu_smoke(capsys):
     rc = P.main(["--device", "cpu", "--tiny", "--phase", "--dtype", "float32",
                  "--deadline-s", "0"])
     assert rc == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    res = json.loads(last)
+    res = last_json(capsys.readouterr().out)
     assert set(res["variants"]) == {"baseline", "phase", "persist"}
     for name, r in res["variants"].items():
         assert "error" not in r, (name, r.get("error"))
@@ -127,15 +108,7 @@ def test_script_cpu_smoke(capsys):
 def test_kernel_compiles_for_sm90():
     """Offline sm_90 compile (no GPU) of the persistent kernel (spin waits, stamps) and the
     five PDL phase kernels; registers from ptxas when it is around."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
-    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--variant",
-                        "phase,persist"], capture_output=True, text=True, env=env, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    res = json.loads(r.stdout.strip().splitlines()[-1])["compile_only"]
+    res = compile_only("persistent_gdn", "--variant", "phase,persist")
     assert set(res) == {"persist"} | {f"phase/{op}" for op in P.OPS}
     assert res["persist"]["acquire"] > 0 and res["persist"]["pdl"] == 0
     assert all(res[f"phase/{op}"]["pdl"] > 0 and res[f"phase/{op}"]["acquire"] == 0

@@ -2,30 +2,12 @@
 kernel's phase mode (one launch per operator, the same kernel code, no spinning) under the
 Triton interpreter against the PyTorch reference of the MLP chain at a tiny shape, the script's
 CPU smoke run, and an offline sm_90 compile of the persistent and prefetching variants."""
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "persistent_mlp.py"
-ON_CPU = not torch.cuda.is_available()
+from tests.benchmarks.util import ON_CPU, compile_only, last_json, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("persistent_mlp_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod            # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = load_script("persistent_mlp")
 
 
 def _args(**kw):
@@ -99,8 +81,7 @@ def test_script_cpu_smoke(capsys):
     rc = P.main(["--device", "cpu", "--phase", "--hidden", "64", "--inter", "96",
                  "--layers", "2", "--dtype", "float32", "--all", "--deadline-s", "0"])
     assert rc == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    res = json.loads(last)
+    res = last_json(capsys.readouterr().out)
     names = set(res["variants"])
     assert {"baseline", "phase", "phase_noahead"} <= names
     for name, r in res["variants"].items():
@@ -111,17 +92,9 @@ def test_script_cpu_smoke(capsys):
 def test_persistent_variants_compile_for_sm90():
     """Offline sm_90 compile (no GPU): the persistent kernel with its spin waits, register
     look-ahead and both L2 prefetch forms, and the PDL phase kernels."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
-    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--variant",
-                        "phase_l2,persist_sw_l2,persist_sw_bulk,persist_stages,"
-                        "persist_sw0_a8,persist_sw0_a8_el"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    res = json.loads(r.stdout.strip().splitlines()[-1])["compile_only"]
+    res = compile_only("persistent_mlp", "--variant",
+                       "phase_l2,persist_sw_l2,persist_sw_bulk,persist_stages,"
+                       "persist_sw0_a8,persist_sw0_a8_el")
     assert res["persist_sw_l2/PHASE=-1"]["prefetch"] > 0
     assert res["persist_sw_l2/PHASE=-1"]["acquire"] > 0
     assert res["persist_sw_bulk/PHASE=-1"]["bulk"] > 0

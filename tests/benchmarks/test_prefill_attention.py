@@ -2,30 +2,11 @@
 run under the Triton interpreter at a tiny shape (baseline module loading, every config's
 output checked against the baseline's), and an offline sm_90a compile of the configs it sweeps
 on the device."""
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "prefill_attention.py"
-ON_CPU = not torch.cuda.is_available()
+from tests.benchmarks.util import ON_CPU, ROOT, compile_only, last_json, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("prefill_attention_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = load_script("prefill_attention")
 
 
 def test_causal_flops_count_pairs():
@@ -41,8 +22,7 @@ def test_script_cpu_smoke(capsys):
     every config of the tiny sweep agreeing with it."""
     rc = P.main(["--device", "cpu", "--tiny", "--baseline-file",
                  str(ROOT / "kernels" / "flash_attention.py")])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    res = json.loads(last)
+    res = last_json(capsys.readouterr().out)
     assert rc == 0 and res["all_match"]
     assert [(s["T"], s["start"]) for s in res["shapes"]] == list(P.TINY_SHAPES)
     for shape in res["shapes"]:
@@ -58,16 +38,7 @@ def test_configs_compile_for_sm90():
     """Offline sm_90a compile (no GPU) of the built-in config and the two load paths: the
     matrix products reach wgmma, the descriptor path issues bulk tensor copies and the pointer
     path none, and the built-in tile of long prompts stays free of spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
-    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--configs",
-                        "built-in,ptr 128x32 s2"], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    res = json.loads(r.stdout.strip().splitlines()[-1])["compile_only"]
+    res = compile_only("prefill_attention", "--configs", "built-in,ptr 128x32 s2")
     built_in, ptr = res["built-in"], res["ptr 128x32 s2"]
     assert built_in["wgmma"] > 0 and ptr["wgmma"] > 0
     assert built_in["tma"] > 0 and ptr["tma"] == 0

@@ -1,30 +1,12 @@
 """benchmarks/prefill_gemm.py (issue #60, lever 2) without a GPU: the script's CPU smoke run
 under the Triton interpreter at the tiny model's shapes, every form checked against the grid
 form, its form table against the launcher's keys, and an offline sm_90 compile of every form."""
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "prefill_gemm.py"
-ON_CPU = not torch.cuda.is_available()
+from tests.benchmarks.util import ON_CPU, compile_only, last_json, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("prefill_gemm_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = load_script("prefill_gemm")
 
 
 def test_every_form_is_a_launchable_config():
@@ -50,7 +32,7 @@ def test_script_cpu_smoke(capsys):
                  "--forms", "default,persistent,tma,splitk2,ws,flatten"])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
-    res = json.loads(out.strip().splitlines()[-1])
+    res = last_json(out)
     assert not res["mismatches"]
     assert {r["shape"] for r in res["rows"]} == {"gdn out gemm+res", "mlp gate|up silu"}
     for r in res["rows"]:
@@ -76,15 +58,7 @@ def test_forms_compile_for_sm90():
     """Offline sm_90 compile (no GPU) of every form at the true shapes: the TMA forms move
     their tiles with the bulk tensor copy engine, the pointer forms with cp.async (both
     software-pipelined), all on wgmma, within a block's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
-    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only"],
-                       capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    res = json.loads(r.stdout.strip().splitlines()[-1])["compile_only"]
+    res = compile_only("prefill_gemm", timeout=900)
     assert len(res) >= 6 * 10
     for key, info in res.items():
         form = key.split("/")[1]
