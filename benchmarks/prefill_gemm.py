@@ -269,7 +269,7 @@ def _signature(cfg: dict, silu: bool, res: bool, dtype: str = "bf16") -> tuple:
         tma = bool(cfg["TMA"])
         desc = lambda r, c: f"tensordesc<{dtype}[{r}, {c}]>" if tma else f"*{dtype}"  # noqa: E731
         o = desc(BM, BN) if split == 1 and cfg["TMA"] == 1 else f"*{dtype}"
-        sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32")
+        sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32", w_mem=f"*{dtype}")
         ints += ["num_programs", "k_tiles_per_split"]
         const = dict(common, USE_TMA=tma, TMA_OUT=tma and cfg["TMA"] == 1 and split == 1, SPLIT_K=split, FLATTEN=bool(cfg["FLATTEN"]),
                      WARP_SPEC=bool(cfg["WARP_SPEC"]))
