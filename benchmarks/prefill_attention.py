@@ -269,7 +269,8 @@ def compile_only(configs, dims) -> int:
         const = dict(GROUP=group, GROUP_P=gp, TOK=cfg["BLOCK_M"] // gp, HD=hd, HDP=hdp,
                      ROT=dims["rotary_dim"], BLOCK_N=cfg["BLOCK_N"],
                      PRO_ROWS=min(cfg["BLOCK_M"], new_mod._PROLOGUE_ROWS), KV_DESC=desc,
-                     WARP_SPEC=cfg["LOOP"] == LOOP_WARP_SPEC, DOT_PREC="tf32", START_PTR=False)
+                     WARP_SPEC=cfg["LOOP"] == LOOP_WARP_SPEC, DOT_PREC="tf32", START_PTR=False,
+                     PDL=0)
         sig.update({k: "constexpr" for k in const})
         # pointers 16-byte aligned and the strides multiples of 16, as a real launch specialises
         attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())

@@ -259,7 +259,7 @@ def _signature(cfg: dict, silu: bool, res: bool, dtype: str = "bf16") -> tuple:
     real launch of the true shapes is (16-byte aligned pointers, strides and sizes)."""
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     common = dict(HAS_RESIDUAL=res, SILU_MUL=silu, EVEN_K=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                  GROUP_M=cfg["GROUP_M"], DOT_PREC="tf32")
+                  GROUP_M=cfg["GROUP_M"], DOT_PREC="tf32", PDL=0)
     ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "up_row_offset"]
     if not (cfg["PERSISTENT"] or cfg["TMA"] or cfg["SPLIT_K"] > 1):
         kernel, sig = G._gemm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr", "res_ptr"], f"*{dtype}")
@@ -269,7 +269,7 @@ def _signature(cfg: dict, silu: bool, res: bool, dtype: str = "bf16") -> tuple:
         tma = bool(cfg["TMA"])
         desc = lambda r, c: f"tensordesc<{dtype}[{r}, {c}]>" if tma else f"*{dtype}"  # noqa: E731
         o = desc(BM, BN) if split == 1 and cfg["TMA"] == 1 else f"*{dtype}"
-        sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32")
+        sig = dict(x=desc(BM, BK), w=desc(BN, BK), out=o, res=o, ws="*fp32", w_mem=f"*{dtype}")
         ints += ["num_programs", "k_tiles_per_split"]
         const = dict(common, USE_TMA=tma, TMA_OUT=tma and cfg["TMA"] == 1 and split == 1, SPLIT_K=split, FLATTEN=bool(cfg["FLATTEN"]),
                      WARP_SPEC=bool(cfg["WARP_SPEC"]))

@@ -18,6 +18,13 @@ the GDN kernels read the real row count from the device and treat the rows past 
 last real inputs); attention is causal (real rows never see the pads, whose K/V land past the
 new length and are overwritten later), and the first position is read from the device. The first
 prompt of a bucket runs the padded path eagerly (compiling what it needs) and then captures it.
+
+Every prefill kernel is launched with the backend's programmatic dependent launch mode
+(`be._pdl`, the decode step's): it is resident and has its weights on the way while the previous
+kernel drains, and waits for it before touching an activation (kernels/_common.py). Before its
+wait a kernel reads only weights and writes nothing, so the early trigger (mode 2) is safe too:
+each wait covers the whole chain before it. A graph is captured per (bucket, PDL mode), so
+switching PDL never replays a graph of the other mode.
 """
 from __future__ import annotations
 
@@ -41,8 +48,8 @@ def graph_bucket(T: int) -> Optional[int]:
 
 
 class PrefillGraphs:
-    """One captured prefill per bucket length, sharing one memory pool (replays never overlap,
-    and every result is copied into `out`, outside the pool)."""
+    """One captured prefill per bucket length and PDL mode, sharing one memory pool (replays
+    never overlap, and every result is copied into `out`, outside the pool)."""
 
     def __init__(self, be):
         # a weak reference: the backend holds this object, and a cycle would leave a dead backend
@@ -53,7 +60,7 @@ class PrefillGraphs:
         self.t = torch.zeros(1, dtype=torch.int32, device=dev)
         self.start = torch.zeros(1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(be.cfg.hidden_size, dtype=be.dtype, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (bucket, be._pdl)
         self.pool = None
         self.failed = False
 
@@ -69,7 +76,8 @@ class PrefillGraphs:
         self.ids[T:B].zero_()                       # pads read token 0
         self.t.fill_(T)
         self.start.fill_(start)
-        g = self.graphs.get(B)
+        key = (B, be._pdl)
+        g = self.graphs.get(key)
         if g is not None:
             g.replay()
             return self.out
@@ -81,7 +89,7 @@ class PrefillGraphs:
                     self.out.copy_(padded_prefill(be, self.ids[:B], self.start, self.t))
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[B] = g
+                self.graphs[key] = g
             except Exception:  # noqa: BLE001 - a capture failure leaves the eager path
                 self.failed = True
         return self.out
@@ -133,29 +141,31 @@ def _prefill_chunk(be, ids: torch.Tensor, start, t_dev: Optional[torch.Tensor] =
     attn_proj = new(T, 2 * H * hd + 2 * KV * hd) if cfg.full_attention_layers else None
     attn_out = new(T, H * hd) if attn_proj is not None else None
 
-    embedding_gather(ids, be.embed, h, pdl=be._pdl)
+    pdl = be._pdl       # every launch waits for the previous one before touching activations
+    embedding_gather(ids, be.embed, h, pdl=pdl)
     for i, L in enumerate(be.layers):
-        rms_norm(h, L.input_norm, eps, x)
+        rms_norm(h, L.input_norm, eps, x, pdl=pdl)
         m = L.mixer
         if L.kind == "full_attention":
             q_n, kv_n = 2 * H * hd, KV * hd
-            gemm(x, m.qkv, attn_proj)
+            gemm(x, m.qkv, attn_proj, pdl=pdl)
             kc, vc = be.state.kv[i]
             attention_prefill(attn_proj[:, :q_n], attn_proj[:, q_n:q_n + kv_n], attn_proj[:, q_n + kv_n:],
                               m.q_norm, m.k_norm, kc, vc, start, attn_out, num_heads=H, num_kv_heads=KV,
-                              head_dim=hd, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, eps=eps)
-            gemm(attn_out, m.o_proj, h, residual=h)
+                              head_dim=hd, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, eps=eps,
+                              pdl=pdl)
+            gemm(attn_out, m.o_proj, h, residual=h, pdl=pdl)
         else:
-            gemm(x, m.qkvbaz, gdn_proj)
+            gemm(x, m.qkvbaz, gdn_proj, pdl=pdl)
             gdn_prefill(gdn_proj[:, :cd], gdn_proj[:, cd + 2 * Hv:], gdn_proj[:, cd:cd + Hv],
                         gdn_proj[:, cd + Hv:cd + 2 * Hv], m.conv_w, be.state.conv[i], m.A_log, m.dt_bias,
                         be.state.rec[i], m.norm_w, gdn_out, num_k_heads=cfg.linear_num_key_heads,
                         num_v_heads=Hv, head_k_dim=cfg.linear_key_head_dim,
-                        head_v_dim=cfg.linear_value_head_dim, eps=eps, t_dev=t_dev)
-            gemm(gdn_out, m.out_proj, h, residual=h)
-        rms_norm(h, L.post_norm, eps, x)
-        gemm(x, L.gate_up, act, silu_mul=True)
-        gemm(act, L.down, h, residual=h)
+                        head_v_dim=cfg.linear_value_head_dim, eps=eps, t_dev=t_dev, pdl=pdl)
+            gemm(gdn_out, m.out_proj, h, residual=h, pdl=pdl)
+        rms_norm(h, L.post_norm, eps, x, pdl=pdl)
+        gemm(x, L.gate_up, act, silu_mul=True, pdl=pdl)
+        gemm(act, L.down, h, residual=h, pdl=pdl)
     if t_dev is not None:
         return h.index_select(0, t_dev.long() - 1)[0]
     return h[-1]

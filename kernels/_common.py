@@ -86,6 +86,9 @@ def sm_count(device) -> int:
 # for this grid to finish and flush).
 
 PDL_OFF, PDL_ON, PDL_EARLY = 0, 1, 2
+# the interpreter has no grid dependency control: there pdl_start / pdl_wait run as no-ops, so
+# a launcher called with pdl 1 or 2 on CPU runs its PDL code paths (the tests do)
+_GDC = tl.constexpr(not _INTERPRETER)
 
 
 def pdl_mode(on: bool, early: bool, device) -> int:
@@ -116,18 +119,29 @@ def check_pdl(pdl: int, name: str) -> int:
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
     # first statement of a PDL kernel: with mode 2 the next kernel may launch right away
-    if PDL == 2:
+    if PDL == 2 and _GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     # wait for the producer grid (and its memory) before touching activations
-    if PDL != 0:
+    if PDL != 0 and _GDC:
         tl.extra.cuda.gdc_wait()
-    if PDL == 1:
+    if PDL == 1 and _GDC:
         # let the next PDL-launched kernel start its own weight prefetch as SMs free up
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    # Before the PDL wait: the lines at ptrs (weights, which no kernel writes) into L2, so the
+    # loads after the wait hit there. A hint: no register receives the data, nothing waits on
+    # it, the addresses must lie inside the tensor. A GPU instruction: nothing under the
+    # interpreter.
+    if _GDC:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ accumulator leaves room for 64-key tiles); LOOP runs the unmasked key loop plain
 specialised (Triton's producer/consumer split of tl.range). The softmax scale is fused into the
 exp2 argument (one FMA a score).
 
+PDL (`pdl`, _common.pdl_mode; both launches): before the wait for the previous kernel a program
+does its index math, loads the RoPE frequencies and sends the norm weights to L2; the start
+position, the projections, the caches and the cos/sin table are read, and everything is
+written, after the wait.
+
 PyTorch reference: kernels/reference.py, section "flash_attention": attention_prefill_ref.
 """
 from __future__ import annotations
@@ -40,7 +45,8 @@ try:                          # host tensor descriptors (Triton >= 3.4)
 except ImportError:           # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-from ._common import FLOAT_DTYPES, _sm90_plus, cdiv, interpreting, next_pow2
+from ._common import (FLOAT_DTYPES, _sm90_plus, cdiv, check_pdl, interpreting, launch_kw, next_pow2,
+                      pdl_start, pdl_wait, prefetch_l2)
 
 from .gemm import TUNING_PATH, _check_rows, dot_precision, tuned_config
 
@@ -99,18 +105,23 @@ def _start(start_pos, START_PTR: tl.constexpr):
 def _kv_cache_write_kernel(k_ptr, v_ptr, k_norm_w_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
                            cos_ptr, sin_ptr, T, start_pos, max_ctx, stride_k, stride_v, eps,
                            HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
-                           BLOCK_T: tl.constexpr, START_PTR: tl.constexpr = False):
+                           BLOCK_T: tl.constexpr, START_PTR: tl.constexpr = False,
+                           PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid_t = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
-    pos = _start(start_pos, START_PTR) + rows
     cols = tl.arange(0, HDP)
     m = row_mask[:, None] & (cols < HD)[None, :]
     dtype = k_ptr.dtype.element_ty
     # emb = [angles, angles]: column c uses frequency c mod rot/2; cos/sin rounded like HF's
     is_rot = cols < ROT
     inv_freq = tl.load(inv_freq_ptr + (cols % (ROT // 2)), mask=is_rot, other=0.0)
+    if PDL != 0:
+        prefetch_l2(k_norm_w_ptr + tl.minimum(cols, HD - 1))
+    pdl_wait(PDL)
+    pos = _start(start_pos, START_PTR) + rows
     ang = pos.to(tl.float32)[:, None] * inv_freq[None, :]
     cos = tl.cos(ang).to(dtype)
     sin = tl.sin(ang).to(dtype)
@@ -185,10 +196,12 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_src, v_s
                               HD: tl.constexpr, HDP: tl.constexpr, ROT: tl.constexpr,
                               BLOCK_N: tl.constexpr, PRO_ROWS: tl.constexpr,
                               KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
-                              DOT_PREC: tl.constexpr, START_PTR: tl.constexpr = False):
+                              DOT_PREC: tl.constexpr, START_PTR: tl.constexpr = False,
+                              PDL: tl.constexpr = 0):
     # One program = TOK query tokens x all GROUP query heads of one KV head, stacked as the
     # BLOCK_M = TOK * GROUP_P rows of one Q tile (row r: token r // GROUP_P, head r % GROUP_P),
     # so every K/V tile is loaded once for the whole group and all rows share one causal edge.
+    pdl_start(PDL)
     kvh = tl.program_id(0)
     # the heaviest query blocks (most keys) start first: the causal tail wave is short
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -197,12 +210,15 @@ def _attention_prefill_kernel(qg_ptr, q_norm_w_ptr, cos_ptr, sin_ptr, k_src, v_s
     tok = pid_m * TOK + r // GROUP_P
     head = kvh * GROUP + r % GROUP_P
     row_mask = (tok < T) & (r % GROUP_P < GROUP)
-    s0 = _start(start_pos, START_PTR)
-    pos = s0 + tok
     cols = tl.arange(0, HDP)
     col_mask = (cols < HD)[None, :]
     q_off = tok.to(tl.int64) * stride_qg + head * (2 * HD)
     o_off = tok.to(tl.int64) * stride_o + head * HD
+    if PDL != 0:
+        prefetch_l2(q_norm_w_ptr + tl.minimum(cols, HD - 1))
+    pdl_wait(PDL)
+    s0 = _start(start_pos, START_PTR)
+    pos = s0 + tok
 
     # Prologue, PRO_ROWS rows at a time: normalise + rotate the queries and park them in this
     # program's own rows of `out` (overwritten by the epilogue). A whole-tile prologue keeps
@@ -306,7 +322,7 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
                       rotary_dim: int, rope_theta: float, eps: float,
                       config: Optional[dict] = None,
-                      table: Optional[str] = TUNING_PATH) -> torch.Tensor:
+                      table: Optional[str] = TUNING_PATH, pdl: int = 0) -> torch.Tensor:
     """Gated attention for T new tokens at positions start_pos.. (see module docstring).
     start_pos: an int, or a device int32 [1] the kernels read (for a captured prefill graph).
 
@@ -316,8 +332,10 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     overrides the tile table of the attention pass (BLOCK_M = rows of the stacked Q tile =
     query tokens x next_power_of_2(H / Hkv); KV_LOAD: KV_POINTERS or KV_TMA; LOOP: LOOP_PLAIN
     or LOOP_WARP_SPEC; keys left out keep the built-in choice): the tuner sweeps through it. `table`: the tile
-    table file (gemm.TUNING_PATH; None: the built-in tiles only).
+    table file (gemm.TUNING_PATH; None: the built-in tiles only). `pdl`: see _common.pdl_mode
+    (both launches).
     """
+    pdl = check_pdl(pdl, "attention_prefill")
     H, Hkv, hd = num_heads, num_kv_heads, head_dim
     if min(H, Hkv, hd) <= 0 or H % Hkv:
         raise ValueError("num_heads must be a positive multiple of num_kv_heads")
@@ -370,7 +388,7 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _kv_cache_write_kernel[(cdiv(T, block_t), Hkv)](
         k, v, k_norm_w, inv_freq, k_cache, v_cache, cos_tab, sin_tab, T, start_pos, max_ctx,
         k.stride(0), v.stride(0), eps, HD=hd, HDP=hdp, ROT=rotary_dim, BLOCK_T=block_t,
-        START_PTR=start_ptr, num_warps=4)
+        START_PTR=start_ptr, PDL=pdl, num_warps=4, **launch_kw(pdl))
     if config is not None:
         # an explicit config may leave the Hopper knobs out: they keep the built-in choice
         cfg = dict(_attention_config(T, hdp, group_p), **config)
@@ -394,6 +412,6 @@ def attention_prefill(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         GROUP=group, GROUP_P=group_p, TOK=tok, HD=hd, HDP=hdp, ROT=rotary_dim,
         BLOCK_N=cfg["BLOCK_N"], PRO_ROWS=min(block_m, _PROLOGUE_ROWS), KV_DESC=descs is not None,
         WARP_SPEC=cfg["LOOP"] == LOOP_WARP_SPEC,
-        DOT_PREC=dot_precision(dt), START_PTR=start_ptr, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        DOT_PREC=dot_precision(dt), START_PTR=start_ptr, PDL=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_kw(pdl))
     return out

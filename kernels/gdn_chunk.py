@@ -48,6 +48,11 @@ decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA does; th
 every accumulation stay fp32. Scratch is allocated here; `out` and both states come from the
 caller.
 
+PDL (`pdl`, _common.pdl_mode; every launch): before the wait for the previous kernel a program
+does its index math and sends its weights to L2 (conv taps, the gated norm's weights) or loads
+them (A_log, dt_bias); the real row count, the activations, both states and the scratch are
+read, and everything is written, after the wait.
+
 PyTorch reference: kernels/reference.py, section "gdn_chunk": gdn_prefill_ref.
 """
 from __future__ import annotations
@@ -58,7 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cdiv, next_pow2
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, launch_kw, next_pow2, pdl_start, pdl_wait,
+                      prefetch_l2)
 
 from .gemm import TUNING_PATH, dot_precision, tuned_config
 
@@ -140,6 +146,13 @@ def _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch, ch_ok, stride_m,
 
 
 @triton.jit
+def _prefetch_span(ptr, n):
+    # ptr[0 : n] into L2: 16 prefetches spread over it (every 128-byte line of a head's conv
+    # taps, 128 channels x 4 in bf16)
+    prefetch_l2(ptr + tl.minimum(tl.arange(0, 16) * ((n + 15) // 16), n - 1))
+
+
+@triton.jit
 def _conv_state_copy(src_ptr, dst_ptr, ch, ch_ok, KC: tl.constexpr, KM1P: tl.constexpr):
     offs_i = tl.arange(0, KM1P)
     keep = ch_ok[:, None] & (offs_i < KC - 1)[None, :]
@@ -206,21 +219,29 @@ def _chunk_inverse(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, d
                    HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
                    KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """The prepare up to the inverse, for chunk program_id(0) of value head program_id(1):
     (k conv'd and l2-normed, beta, gamma, gamma_last, Tinv = (I + L)^-1 in fp32); gamma is
-    stored, and the first chunk's programs copy the old conv state of their channels."""
+    stored, and the first chunk's programs copy the old conv state of their channels. Starts
+    the kernel: the PDL wait is in here."""
+    pdl_start(PDL)
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
-
-    t = _real_rows(t_ptr, T, T_DEV)
-    rows = i_t * CHUNK + tl.arange(0, CHUNK)
-    real = rows < t
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
     ch_k = HK * DK + hk * DK + offs_k
     ch_v = 2 * HK * DK + h * DV + offs_v
+    if PDL != 0:    # the taps of k and v (the prepare's or the next launch's) into L2
+        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
+        _prefetch_span(cw_ptr + (2 * HK * DK + h * DV) * KC, DV * KC)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    pdl_wait(PDL)
+
+    t = _real_rows(t_ptr, T, T_DEV)
+    rows = i_t * CHUNK + tl.arange(0, CHUNK)
+    real = rows < t
     k = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, ch_k, offs_k < DK, stride_m,
                    KC, CHUNK, DKP, act)
     k = _l2norm_rows(k)
@@ -233,9 +254,9 @@ def _chunk_inverse(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, d
     # gates: beta = sigmoid(b) rounded like HF keeps it; g = -exp(A_log) softplus(a + dt_bias)
     beta = _beta(b_ptr, rows, real, h, stride_b)
     a = tl.load(a_ptr + rows.to(tl.int64) * stride_a + h, mask=real, other=0.0).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+    x = a + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    g = -tl.exp(a_log) * softplus
     g = tl.where(real, g, 0.0)
     gam = tl.cumsum(g, axis=0)
     # the chunk's last cumulative decay, the very value stored for the state pass: a separate
@@ -281,13 +302,13 @@ def _gdn_chunk_prepare_kernel(
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-        DOT_PREC: tl.constexpr):
+        DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     # prep_split = 1: the whole prepare in one launch
     act = w_ptr.dtype.element_ty
     k, beta, gam, gam_last, Tinv = _chunk_inverse(
         m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr, gam_ptr,
         T, T_pad, stride_m, stride_b, stride_a, act, HK, GROUP, DK, DV, DKP, DVP, CHUNK, BC,
-        KC, KM1P, T_DEV, SOLVE, DOT_PREC)
+        KC, KM1P, T_DEV, SOLVE, DOT_PREC, PDL)
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     t = _real_rows(t_ptr, T, T_DEV)
@@ -318,13 +339,13 @@ def _gdn_chunk_inverse_kernel(
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-        DOT_PREC: tl.constexpr):
+        DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     # prep_split = 2, launch A: gamma and Tinv ([C, C] per chunk and head, activation dtype)
     act = tinv_ptr.dtype.element_ty
     k, beta, gam, gam_last, Tinv = _chunk_inverse(
         m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr, gam_ptr,
         T, T_pad, stride_m, stride_b, stride_a, act, HK, GROUP, DK, DV, DKP, DVP, CHUNK, BC,
-        KC, KM1P, T_DEV, SOLVE, DOT_PREC)
+        KC, KM1P, T_DEV, SOLVE, DOT_PREC, PDL)
     head_rows = tl.program_id(1).to(tl.int64) * T_pad + tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     tl.store(tinv_ptr + head_rows[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :], Tinv.to(act))
 
@@ -335,18 +356,23 @@ def _gdn_chunk_wu_kernel(
         T, T_pad, stride_m, stride_b,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-        T_DEV: tl.constexpr, DOT_PREC: tl.constexpr):
+        T_DEV: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     # prep_split = 2, launch B: k and v convolved again (4 taps a value), beta again, then
     # W = Tinv diag(beta e^gamma) K, U = Tinv diag(beta) V and the decayed keys
+    pdl_start(PDL)
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     act = w_ptr.dtype.element_ty
+    offs_k = tl.arange(0, DKP)
+    offs_v = tl.arange(0, DVP)
+    if PDL != 0:    # the taps of k and v into L2
+        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
+        _prefetch_span(cw_ptr + (2 * HK * DK + h * DV) * KC, DV * KC)
+    pdl_wait(PDL)
     t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
     real = rows < t
-    offs_k = tl.arange(0, DKP)
-    offs_v = tl.arange(0, DVP)
     head_rows = h.to(tl.int64) * T_pad + rows
 
     k = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, HK * DK + hk * DK + offs_k, offs_k < DK,
@@ -371,8 +397,10 @@ def _gdn_chunk_state_kernel(
         w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
         NT, T_pad,
         DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = 0):
     # The one sequential loop: carry S (fp32, DKP x BV slice of one head) across chunks.
+    pdl_start(PDL)
     i_v = tl.program_id(0)
     h = tl.program_id(1)
     act = w_ptr.dtype.element_ty
@@ -382,6 +410,7 @@ def _gdn_chunk_state_kernel(
 
     s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     s_mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
+    pdl_wait(PDL)               # no weights here: the state and the prepare's scratch
     S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
     for i_t in range(0, NT):
@@ -404,12 +433,14 @@ def _gdn_chunk_state_halves_kernel(
         w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
         NT, T_pad,
         DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = 0):
     # state_form = 2: S carried as two [DKP/2, BV] halves along K (S = [S1; S2]), and the next
     # chunk's W / U / decayed-K tiles and decay loaded before this chunk's dots (they do not
     # depend on S), so a sequential step waits on the two dot pairs only:
     #     Vn = U - W1 S1 - W2 S2,    Sx <- e^gamma_last Sx + Kdx^T Vn
     HALF: tl.constexpr = DKP // 2
+    pdl_start(PDL)
     i_v = tl.program_id(0)
     h = tl.program_id(1)
     act = w_ptr.dtype.element_ty
@@ -420,6 +451,7 @@ def _gdn_chunk_state_halves_kernel(
 
     s1_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     s2_ptrs = s1_ptrs + HALF * DV
+    pdl_wait(PDL)
     S1 = tl.load(s1_ptrs, mask=(offs_k < DK)[:, None] & v_ok, other=0.0).to(tl.float32)
     S2 = tl.load(s2_ptrs, mask=(offs_k + HALF < DK)[:, None] & v_ok, other=0.0).to(tl.float32)
 
@@ -466,18 +498,25 @@ def _gdn_chunk_output_kernel(
         T, T_pad, NT, stride_m, stride_z, stride_o, scale, eps,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr):
+        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     i_t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     act = vn_ptr.dtype.element_ty
+    offs_k = tl.arange(0, DKP)
+    offs_v = tl.arange(0, DVP)
+    k_ok = offs_k < DK
+    if PDL != 0:    # the taps of q and k and the gated norm's weights into L2
+        _prefetch_span(cw_ptr + hk * DK * KC, DK * KC)
+        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
+        _prefetch_span(norm_w_ptr, DV)
+    pdl_wait(PDL)
 
     t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
     real = rows < t
-    offs_k = tl.arange(0, DKP)
-    offs_v = tl.arange(0, DVP)
-    k_ok = offs_k < DK
     # the conv state is being rewritten by this launch: the first chunk reads the old copy
     q = _conv_silu(m_ptr, cw_ptr, cs_old_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m,
                    KC, CHUNK, DKP, act)
@@ -544,7 +583,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
                 dt_bias: torch.Tensor, state: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor,
                 *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
                 chunk: int = 64, t_dev: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                table: Optional[str] = TUNING_PATH) -> torch.Tensor:
+                table: Optional[str] = TUNING_PATH, pdl: int = 0) -> torch.Tensor:
     """Conv1d + SiLU, GDN core and gated RMSNorm for T prompt tokens, continuing from
     `conv_state` and `state` (both updated in place).
 
@@ -557,8 +596,9 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the activation dtype is
     allocated per call. Returns out. `config` (GDN_KEYS) overrides the launch table: the tuner
     sweeps through it. `table`: the tile table file (gemm.TUNING_PATH; None: the built-in
-    configs only).
+    configs only). `pdl`: see _common.pdl_mode (every launch).
     """
+    pdl = check_pdl(pdl, "gdn_prefill")
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if min(hk, hv, dk, dv) <= 0 or hv % hk:
         raise ValueError("need num_v_heads a positive multiple of num_k_heads and positive dims")
@@ -625,30 +665,31 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
+    pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
     if cfg["prep_split"] == 1:
         _gdn_chunk_prepare_kernel[(nt, hv)](
             qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
             T, t_pad, qkv.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv)
+            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
     else:
         tinv = torch.empty(hv, t_pad, chunk, dtype=act, device=dev)
         _gdn_chunk_inverse_kernel[(nt, hv)](
             qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, tinv,
             T, t_pad, qkv.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv)
+            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
         _gdn_chunk_wu_kernel[(nt, hv)](
             qkv, b, conv_w, conv_state, t_arg, gam, tinv, w_buf, u_buf, kd_buf,
             T, t_pad, qkv.stride(0), b.stride(0), **heads, KC=kc, T_DEV=t_dev is not None,
-            DOT_PREC=prec, num_warps=cfg["prep_warps"])
+            DOT_PREC=prec, num_warps=cfg["prep_warps"], **pdl_kw)
     state_kernel = _gdn_chunk_state_kernel if cfg["state_form"] == 1 else _gdn_chunk_state_halves_kernel
     state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
-        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"], **pdl_kw)
     _gdn_chunk_output_kernel[(nt, hv)](
         qkv, z, conv_w, conv_state, conv_old, t_arg, gam, vn_buf, h_buf, norm_w, out,
         T, t_pad, nt, qkv.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
-        num_warps=cfg["out_warps"], **conv)
+        num_warps=cfg["out_warps"], **conv, **pdl_kw)
     return out

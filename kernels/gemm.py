@@ -26,6 +26,11 @@ Launch forms (config keys, GEMM_FORM_DEFAULTS are the original form's):
                 For the narrow N (1024) projections, whose tiles do not fill the SMs.
     FLATTEN / WARP_SPEC  tl.range(flatten=, warp_specialize=) on the persistent tile loop.
 
+PDL (`pdl`, _common.pdl_mode): before the wait for the previous kernel a program computes its
+tile and sends its first weight tile to L2 (a prefetch: the pipelined K loop itself is
+unchanged); every activation load and every store comes after the wait (the residual GEMMs
+write `h` in place, which the previous kernels read).
+
 PyTorch reference: kernels/reference.py, section "gemm": gemm_ref.
 """
 from __future__ import annotations
@@ -39,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, cdiv, clear_table_cache, interpreting, next_pow2, sm_count,
-                      table_for_this_gpu)
+from ._common import (FLOAT_DTYPES, cdiv, check_pdl, clear_table_cache, interpreting, launch_kw,
+                      next_pow2, pdl_start, pdl_wait, prefetch_l2, sm_count, table_for_this_gpu)
 
 try:    # host-side TMA descriptors (Triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -125,6 +130,19 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_w_tile(w_ptr, n0, k0, N, K, stride_wn, up_row_offset, SILU_MUL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[n0 : n0+BLOCK_N, k0 : k0+BLOCK_K] (and the up rows below the gate rows with SILU_MUL)
+    into L2: one prefetch per 16 columns (32 bytes of a half matrix), clamped into W."""
+    rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64) * stride_wn
+    cols = tl.minimum(k0 + tl.arange(0, BLOCK_K // 16) * 16, K - 1)
+    ptrs = w_ptr + rows[:, None] + cols[None, :]
+    prefetch_l2(ptrs)
+    if SILU_MUL:
+        prefetch_l2(ptrs + up_row_offset * stride_wn)
+
+
+@triton.jit
 def _epilogue(acc, acc_up, dtype: tl.constexpr, SILU_MUL: tl.constexpr):
     # the projection rounded to the activation dtype, then SiLU(gate) and the product rounded
     y = acc.to(dtype).to(tl.float32)
@@ -139,8 +157,9 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_row_offset,
                  HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     # the grid form: one program per output tile
+    pdl_start(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -151,6 +170,10 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     u_ptrs = w_ptrs + up_row_offset * stride_wn
+    if PDL != 0:    # the first weight tile into L2 while the previous kernel drains
+        _prefetch_w_tile(w_ptr, pid_n * BLOCK_N, 0, N, K, stride_wn, up_row_offset, SILU_MUL,
+                         BLOCK_N, BLOCK_K)
+    pdl_wait(PDL)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -185,7 +208,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr,
 
 
 @triton.jit
-def _gemm_persistent_kernel(x, w, out, res, ws,
+def _gemm_persistent_kernel(x, w, out, res, ws, w_mem,
                             M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_row_offset,
                             num_programs, k_tiles_per_split,
                             HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -193,11 +216,14 @@ def _gemm_persistent_kernel(x, w, out, res, ws,
                             SPLIT_K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-                            WARP_SPEC: tl.constexpr, DOT_PREC: tl.constexpr):
+                            WARP_SPEC: tl.constexpr, DOT_PREC: tl.constexpr,
+                            PDL: tl.constexpr = 0):
     # Work unit u = (K slice u // tiles, output tile u % tiles in the grouped order); program p
     # takes units p, p + num_programs, ...  With USE_TMA, x / w are tensor descriptors (and
     # out / res with TMA_OUT): their out-of-bounds rows and columns read as zero, are not written.
     # With SPLIT_K > 1 a unit writes its fp32 partial to ws[slice] and the reduce pass finishes.
+    # w_mem: W itself (w may be its descriptor), for the L2 prefetch under PDL.
+    pdl_start(PDL)
     if USE_TMA:
         dtype = w.dtype
     else:
@@ -207,6 +233,12 @@ def _gemm_persistent_kernel(x, w, out, res, ws,
     num_tiles = num_m * num_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
+    if PDL != 0:    # the first unit's first weight tile into L2 while the previous kernel drains
+        first = tl.program_id(0)
+        _, pn = _tile_coords(first % num_tiles, num_m, num_n, GROUP_M)
+        _prefetch_w_tile(w_mem, pn * BLOCK_N, (first // num_tiles) * k_tiles_per_split * BLOCK_K,
+                         N, K, stride_wn, up_row_offset, SILU_MUL, BLOCK_N, BLOCK_K)
+    pdl_wait(PDL)
     for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, num_programs,
                          flatten=FLATTEN, warp_specialize=WARP_SPEC):
         pid_m, pid_n = _tile_coords(unit % num_tiles, num_m, num_n, GROUP_M)
@@ -282,8 +314,10 @@ def _gemm_persistent_kernel(x, w, out, res, ws,
 def _gemm_splitk_reduce_kernel(ws, out_ptr, res_ptr, M, N, stride_om, stride_rm,
                                HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
                                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
+                               BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
     # out tile = epilogue(sum of the K slices' partials, taken in slice order: deterministic)
+    pdl_start(PDL)
+    pdl_wait(PDL)               # the partials are the previous launch's
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -453,15 +487,18 @@ def tma_allowed(*tensors: Optional[torch.Tensor]) -> bool:
 
 def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
          residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
-         config: Optional[dict] = None, table: Optional[str] = TUNING_PATH) -> torch.Tensor:
+         config: Optional[dict] = None, table: Optional[str] = TUNING_PATH,
+         pdl: int = 0) -> torch.Tensor:
     """out = x @ W^T with optional fused epilogue (see module docstring); returns out.
 
     x [T, K], W [N, K] contiguous (nn.Linear layout), out [T, N] ([T, N/2] with silu_mul,
     gate rows first in W). Rows of x/out/residual may be strided (views into a wider buffer).
     `config` (GEMM_KEYS; the form keys may be left out: the grid form) overrides the tile
     table: the tuner sweeps through it. `table`: the tile table file (None: the built-in
-    tiles only).
+    tiles only). `pdl`: see _common.pdl_mode (every launch of the form, the split-K reduce pass
+    included).
     """
+    pdl = check_pdl(pdl, "gemm")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"gemm supports {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() != 2 or W.dim() != 2:
@@ -492,7 +529,7 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
                                   None if table is None else str(table), x.element_size())
     res = residual if residual is not None else out
     if cfg["PERSISTENT"] or cfg["TMA"] or cfg["SPLIT_K"] > 1:
-        _launch_persistent(x, W, out, res, residual is not None, silu_mul, M, N, K, cfg)
+        _launch_persistent(x, W, out, res, residual is not None, silu_mul, M, N, K, cfg, pdl)
         return out
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _gemm_kernel[grid](
@@ -500,13 +537,13 @@ def gemm(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor, *,
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
         EVEN_K=(K % cfg["BLOCK_K"] == 0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], DOT_PREC=dot_precision(x.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP_M=cfg["GROUP_M"], DOT_PREC=dot_precision(x.dtype), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     return out
 
 
 def _launch_persistent(x, W, out, res, has_residual: bool, silu_mul: bool,
-                       M: int, N: int, K: int, cfg: dict) -> None:
+                       M: int, N: int, K: int, cfg: dict, pdl: int = 0) -> None:
     """The persistent / TMA / split-K forms (_gemm_persistent_kernel, then the reduce pass)."""
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     k_tiles = cdiv(K, BK)
@@ -526,15 +563,17 @@ def _launch_persistent(x, W, out, res, has_residual: bool, silu_mul: bool,
             oa = TensorDescriptor(out, [M, N], [out.stride(0), 1], [BM, BN])
             ra = TensorDescriptor(res, [M, N], [res.stride(0), 1], [BM, BN])
     _gemm_persistent_kernel[(programs,)](
-        xa, wa, oa, ra, ws, M, N, K, x.stride(0), W.stride(0), out.stride(0), res.stride(0), N,
+        xa, wa, oa, ra, ws, W, M, N, K, x.stride(0), W.stride(0), out.stride(0), res.stride(0), N,
         programs, per_split,
         HAS_RESIDUAL=has_residual, SILU_MUL=silu_mul, EVEN_K=(K % BK == 0), USE_TMA=use_tma,
         TMA_OUT=tma_out, SPLIT_K=split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
         FLATTEN=bool(cfg["FLATTEN"]), WARP_SPEC=bool(cfg["WARP_SPEC"]),
-        DOT_PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_kw(pdl))
     if split > 1:
         grid = (cdiv(M, REDUCE_BLOCK_M), cdiv(N, REDUCE_BLOCK_N))
         _gemm_splitk_reduce_kernel[grid](
             ws, out, res, M, N, out.stride(0), res.stride(0),
             HAS_RESIDUAL=has_residual, SILU_MUL=silu_mul, SPLIT_K=split,
-            BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+            BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N, PDL=pdl, num_warps=4,
+            **launch_kw(pdl))

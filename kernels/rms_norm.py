@@ -13,18 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, next_pow2
-
+from ._common import FLOAT_DTYPES, check_pdl, launch_kw, next_pow2, pdl_start, pdl_wait
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64) * D
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)     # a weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row + offs, (x * inv_rms * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -44,14 +45,18 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str) -> in
     return D
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor, *,
+             pdl: int = 0) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * (1 + w) per row of x [T, D] or [D]; out holds as
-    many elements (e.g. [D] for a [1, D] x). Returns out."""
+    many elements (e.g. [D] for a [1, D] x). `pdl`: see _common.pdl_mode (the norm weights are
+    read before the wait). Returns out."""
+    pdl = check_pdl(pdl, "rms_norm")
     D = _check(x, w, out, "rms_norm")
     rows = x.numel() // D
     if rows == 0:
         return out
     block_d = next_pow2(D)
     num_warps = 4 if block_d <= 2048 else (8 if block_d <= 8192 else 16)
-    _rms_norm_kernel[(rows,)](x, w, out, D, float(eps), BLOCK_D=block_d, num_warps=num_warps)
+    _rms_norm_kernel[(rows,)](x, w, out, D, float(eps), BLOCK_D=block_d, PDL=pdl,
+                              num_warps=num_warps, **launch_kw(pdl))
     return out

@@ -1,6 +1,7 @@
 """kernels/_common.py: the plain-Python grid arithmetic equals Triton's helpers, PDL stays off
-under the interpreter, every PDL kernel compiles for sm_90 with the PDL instructions, and the
-kernels package imports only downwards (nothing from engine/app, no cycles)."""
+under the interpreter, every PDL kernel (decode and prefill) compiles for sm_90 with the PDL
+instructions, and the kernels package imports only downwards (nothing from engine/app, no
+cycles)."""
 import os
 import subprocess
 import sys
@@ -127,6 +128,57 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         build(S._topk_merge_kernel, dict(in_ptr="*i64", n_in="i32", out_ptr="*i64",
                                          params_ptr="*fp32"), dict(KC=kc, CHUNK=chunk), 8,
               pdl=False)
+
+    # the prefill kernels (pdl 1), at the true shapes and the packaged table's forms: every
+    # argument not named here is a bf16 pointer (*_ptr) or an i32 (eps / scale: fp32)
+    import tritonchat.kernels.flash_attention as FA
+    import tritonchat.kernels.gdn_chunk as GC
+    import tritonchat.kernels.gemm as GM
+    import tritonchat.kernels.rms_norm as RN
+
+    def prefill(fn, types, const, num_warps, num_stages=3):
+        args = {n: types.get(n, "*bf16" if n.endswith("_ptr") else
+                             "fp32" if n in ("eps", "scale", "qk_scale") else "i32")
+                for n in fn.arg_names if n not in const}
+        sig = dict(args, **{k: "constexpr" for k in const})
+        src = ASTSource(fn=fn, signature=sig, constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        ptx = k.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, fn
+        assert len(k.asm["cubin"]) > 0, fn
+
+    prefill(RN._rms_norm_kernel, {}, dict(BLOCK_D=1024, PDL=1), 4)
+    tiles = dict(EVEN_K=True, GROUP_M=8, DOT_PREC="tf32", PDL=1)
+    prefill(GM._gemm_kernel, {}, dict(tiles, HAS_RESIDUAL=False, SILU_MUL=True, BLOCK_M=64,
+                                       BLOCK_N=64, BLOCK_K=64), 4, 4)
+    for bn, silu, res, split in ((256, False, False, 1), (128, True, False, 1), (128, False, True, 2)):
+        d = lambda r, c: f"tensordesc<bf16[{r}, {c}]>"
+        o = d(128, bn) if split == 1 else "*bf16"
+        prefill(GM._gemm_persistent_kernel,
+                dict(x=d(128, 64), w=d(bn, 64), out=o, res=o, ws="*fp32", w_mem="*bf16"),
+                dict(tiles, HAS_RESIDUAL=res, SILU_MUL=silu, USE_TMA=True, TMA_OUT=split == 1,
+                     SPLIT_K=split, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, FLATTEN=bn == 256,
+                     WARP_SPEC=False), 8)
+    prefill(GM._gemm_splitk_reduce_kernel, dict(ws="*fp32"),
+            dict(HAS_RESIDUAL=True, SILU_MUL=False, SPLIT_K=2, BLOCK_M=32, BLOCK_N=128, PDL=1), 4)
+    gdn = dict(a_log_ptr="*fp32", t_ptr="*i32", gam_ptr="*fp32", state_ptr="*fp32")
+    heads = dict(HK=16, GROUP=1, DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, DOT_PREC="tf32", PDL=1)
+    conv = dict(KC=4, KM1P=4, T_DEV=True)
+    for fn in (GC._gdn_chunk_prepare_kernel, GC._gdn_chunk_inverse_kernel):
+        prefill(fn, gdn, dict(heads, BC=16, SOLVE=1, **conv), 8)
+    prefill(GC._gdn_chunk_wu_kernel, gdn, dict(heads, KC=4, T_DEV=True), 4)
+    state = dict(DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, BV=16, DOT_PREC="tf32", PDL=1)
+    for fn in (GC._gdn_chunk_state_kernel, GC._gdn_chunk_state_halves_kernel):
+        prefill(fn, gdn, state, 4, 2)
+    prefill(GC._gdn_chunk_output_kernel, gdn, dict(heads, **conv), 8)
+    prefill(FA._kv_cache_write_kernel, dict(inv_freq_ptr="*fp32", start_pos="*i32"),
+            dict(HD=256, HDP=256, ROT=64, BLOCK_T=16, START_PTR=True, PDL=1), 4)
+    for kv in ("*bf16", "tensordesc<bf16[64, 256]>"):
+        prefill(FA._attention_prefill_kernel, dict(k_src=kv, v_src=kv, start_pos="*i32"),
+                dict(GROUP=4, GROUP_P=4, TOK=8, HD=256, HDP=256, ROT=64, BLOCK_N=64, PRO_ROWS=16,
+                     KV_DESC=kv != "*bf16", WARP_SPEC=False, DOT_PREC="tf32", START_PTR=True,
+                     PDL=1), 8, 2)
     print("OK")
 """)
 

@@ -1,10 +1,14 @@
 """kernels/flash_attention.py against reference.attention_prefill_ref: gated flash attention for
 a prompt chunk (q/k norm, partial RoPE, KV-cache write, causal GQA over the cached history,
-sigmoid gate)."""
+sigmoid gate); the PDL modes give the same bits."""
+import functools
+
 import pytest
 import torch
 
+from tests.kernels.util import launches
 from tritonchat.kernels import flash_attention as fa
+from tritonchat.kernels._common import pdl_mode
 from tritonchat.kernels.flash_attention import (KV_POINTERS, KV_TMA, LOOP_PLAIN, LOOP_WARP_SPEC,
                                                 attention_prefill)
 from tritonchat.kernels.reference import attention_prefill_ref
@@ -79,6 +83,28 @@ def test_attention_start_read_from_the_device_equals_the_int(T, start_pos):
     b = _run(attention_prefill, inputs, torch.tensor([start_pos], dtype=torch.int32, device=DEVICE), SMALL)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("T,start_pos,device_start", [(1, 0, False), (70, 0, True), (33, 66, False),
+                                                      (5, 37, True)])
+def test_attention_pdl_modes_give_the_same_bits(T, start_pos, device_start, pdl):
+    """pdl 1 / 2 (the frequencies and norm weights read before the wait, the start after it)
+    write the outputs and cache rows pdl 0 writes; both launches (the K/V pass, the attention
+    pass) are PDL launches of that mode; other pdl values are refused."""
+    inputs = _inputs(T, SMALL, torch.float32, T + pdl, start_pos, start_pos + T + 5)
+    start = torch.tensor([start_pos], dtype=torch.int32, device=DEVICE) if device_start else start_pos
+    runs = []
+    for mode in (0, pdl):
+        with launches(fa) as seen:
+            runs.append(_run(functools.partial(attention_prefill, pdl=mode), inputs, start, SMALL))
+        assert [(k, m, asked) for k, m, asked in seen] == [
+            ("_kv_cache_write_kernel", mode, bool(mode)), ("_attention_prefill_kernel", mode, bool(mode))]
+    for x, y in zip(*runs):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    for bad in (3, -1):
+        with pytest.raises(ValueError):
+            _run(functools.partial(attention_prefill, pdl=bad), inputs, start, SMALL)
 
 
 @pytest.mark.parametrize("dims", [
@@ -349,3 +375,20 @@ def test_attention_32k_prompt_bf16():
     ref, _, _ = _run(attention_prefill_ref, (qg[-tail:], k[-tail:], v[-tail:], qw, kw, kc, vc),
                      T - tail, TRUE)
     torch.testing.assert_close(out[-tail:], ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,start_pos", [(128, 0), (2048, 300)])
+def test_attention_pdl_true_shape_bf16_gives_the_same_bits(T, start_pos):
+    """On the device: the K/V pass and the attention pass launched with PDL (the attention pass
+    reading the cache rows the K/V pass just wrote) give the bits they give without it, the
+    start from the device as in the prefill graph."""
+    pdl = pdl_mode(True, False, DEVICE)
+    assert pdl
+    inputs = _inputs(T, TRUE, torch.bfloat16, seed=3, start_pos=start_pos, max_ctx=start_pos + T + 64)
+    start = torch.tensor([start_pos], dtype=torch.int32, device=DEVICE)
+    want = _run(attention_prefill, inputs, start, TRUE)
+    for _ in range(2):
+        got = _run(functools.partial(attention_prefill, pdl=pdl), inputs, start, TRUE)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)

@@ -1,14 +1,17 @@
 """kernels/gdn_chunk.py: the causal conv1d + SiLU and the chunked Gated DeltaNet prefill (WY
 form) of the raw projection, against the conv and T recurrent steps of
 reference.gdn_prefill_ref: outputs, recurrent state and conv state, from start states that are
-not zero, with inert padding rows (t_dev)."""
+not zero, with inert padding rows (t_dev); the PDL modes give the same bits."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonchat.kernels.gdn_chunk import gdn_prefill
+from tests.kernels.util import launches
+from tritonchat.kernels import gdn_chunk as gdn_mod
+from tritonchat.kernels._common import pdl_mode
+from tritonchat.kernels.gdn_chunk import gdn_launches, gdn_prefill
 from tritonchat.kernels.reference import gdn_conv_ref, gdn_gates_ref, gdn_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -363,6 +366,34 @@ def test_gdn_rejects_bad_arguments():
                     t_dev=torch.tensor([3], device=DEVICE), **kw)
 
 
+def _run_pdl(inputs, dims, cfg, pdl, t_dev=None):
+    """_run of gdn_prefill with `pdl`, its launches checked: those gdn_launches names for cfg,
+    in order, each a PDL launch of mode pdl."""
+    with launches(gdn_mod) as seen:
+        got = _run(gdn_prefill, inputs, dims, config=cfg, t_dev=t_dev, pdl=pdl)
+    assert [k for k, _, _ in seen] == [k.fn.__name__ for _, k in gdn_launches(cfg)]
+    assert all(mode == pdl and asked == bool(pdl) for _, mode, asked in seen), seen
+    return got
+
+
+@pytest.mark.parametrize("prep_split,state_form,pdl,t", [(1, 1, 1, None), (1, 1, 2, 50), (2, 1, 1, None),
+                                                         (1, 2, 1, 50), (2, 2, 2, None)])
+def test_gdn_pdl_modes_give_the_same_bits(prep_split, state_form, pdl, t):
+    """Every launch form with pdl 1 / 2 (weights loaded or sent to L2 before the wait) leaves
+    the output and both states pdl 0 leaves, with and without padding rows; other pdl values
+    are refused."""
+    inputs = _inputs(70, SMALL, torch.float32, seed=pdl + 3 * prep_split + state_form)
+    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
+    t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    plain = _run_pdl(inputs, SMALL, cfg, 0, t_dev)
+    got = _run_pdl(inputs, SMALL, cfg, pdl, t_dev)
+    for x, want in zip(got, plain):
+        assert torch.equal(x, want)
+    for bad in (3, -1):
+        with pytest.raises(ValueError):
+            _run(gdn_prefill, inputs, SMALL, pdl=bad)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU twins: bf16, the true 0.8B GDN shape (16 heads, dk = dv = 128, conv_dim 6144, Kc = 4)
 # ------------------------------------------------------------------------------------------
@@ -415,3 +446,20 @@ def test_gdn_prep_split_and_state_form_true_shape_bf16(prep_split, state_form):
     assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
     assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
     assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prep_split,state_form", [(1, 1)] + SPLIT_FORMS)
+@pytest.mark.parametrize("T,t", [(128, 100), (2048, None)])
+def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t, prep_split, state_form):
+    """On the device: every launch form at the true shape with PDL (its launches overlapping
+    each other's tails) leaves the bits it leaves without PDL, padded and not."""
+    pdl = pdl_mode(True, False, DEVICE)
+    assert pdl
+    cfg = dict(_BASE_CFG, BV=16, prep_split=prep_split, state_form=state_form)
+    t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
+    want = _run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev)
+    for _ in range(2):
+        for x, w in zip(_run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev, pdl=pdl), want):
+            assert torch.equal(x, w)

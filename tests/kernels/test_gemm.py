@@ -3,6 +3,9 @@ and SiLU*mul epilogues, and its tile table."""
 import pytest
 import torch
 
+from tests.kernels.util import launches
+from tritonchat.kernels import gemm as gemm_mod
+from tritonchat.kernels._common import pdl_mode
 from tritonchat.kernels.gemm import gemm
 from tritonchat.kernels.reference import gemm_ref
 
@@ -277,6 +280,43 @@ def test_gemm_forms_strided_views(form, x_offset, tma, descriptors):
     assert bool(descriptors) == (bool(cfg.get("TMA")) and tma)
 
 
+def _gemm_epilogues_with_pdl(x, W, r, cfg, pdl):
+    """{epilogue: out} of gemm with `pdl` (NaN-filled outs, the residual in place), each call's
+    launches checked: all of them (the split-K reduce pass too) PDL launches of mode pdl."""
+    T, N = x.shape[0], W.shape[0]
+    outs = {}
+    for epi in ("plain", "residual", "silu_mul"):
+        n_out = N // 2 if epi == "silu_mul" else N
+        out = r[:, :n_out].clone() if epi == "residual" else \
+            torch.full((T, n_out), float("nan"), device=DEVICE, dtype=x.dtype)
+        kw = dict(residual=out) if epi == "residual" else dict(silu_mul=epi == "silu_mul")
+        with launches(gemm_mod) as seen:
+            gemm(x, W, out, config=cfg, pdl=pdl, **kw)
+        split = cfg is not None and cfg.get("SPLIT_K", 1) > 1
+        assert len(seen) == (2 if split else 1), seen
+        assert all(mode == pdl and asked == bool(pdl) for _, mode, asked in seen), seen
+        outs[epi] = out
+    return outs
+
+
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("form", ["grid", "persistent_tma", "persistent_tma_operands", "splitk3",
+                                  "persistent_tma_splitk2"])
+def test_gemm_pdl_modes_give_the_same_bits(form, pdl):
+    """Every form and epilogue with pdl 1 / 2 (its first weight tile prefetched before the
+    wait) writes what pdl 0 writes; other pdl values are refused."""
+    T, N, K = 65, 40, 72
+    x, W, r = _data(T, N, K, torch.float32, seed=pdl)
+    cfg = dict(SMALL_TILES, **FORMS[form])
+    plain = _gemm_epilogues_with_pdl(x, W, r, cfg, 0)
+    got = _gemm_epilogues_with_pdl(x, W, r, cfg, pdl)
+    for epi in plain:
+        assert torch.equal(got[epi], plain[epi]), epi
+    for bad in (3, -1):
+        with pytest.raises(ValueError):
+            gemm(x, W, torch.empty(T, N, device=DEVICE), pdl=bad)
+
+
 def test_gemm_split_k_is_deterministic_and_clamped():
     """Split-K sums its slices in slice order (bit-identical reruns), and more slices than K
     tiles (K = 24: 2 tiles of 16) run as one slice per tile."""
@@ -364,3 +404,40 @@ def test_gemm_forms_true_shapes_bf16(name, form):
     gemm(x, W, out, residual=out if epi == "residual" else None, silu_mul=epi == "silu_mul",
          config=cfg)
     assert torch.equal(out, outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [128, 2048])
+@pytest.mark.parametrize("early", [False, True])
+def test_gpu_pdl_mlp_chain_gives_the_same_bits(T, early):
+    """On the device: the prefill's MLP chain (gate|up then down into h in place, three times
+    over, with the packaged table's forms at T = 128 and 2048, and split-K) launched with PDL,
+    eagerly and replayed from a CUDA graph, writes the bits the chain without PDL writes."""
+    pdl = pdl_mode(True, early, DEVICE)
+    assert pdl
+    D, I = 1024, 3584
+    g = torch.Generator().manual_seed(T)
+    h0 = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
+    Wgu = (torch.randn(2 * I, D, generator=g) * D ** -0.5).to(DEVICE, torch.bfloat16)
+    Wd = (torch.randn(D, I, generator=g) * I ** -0.5).to(DEVICE, torch.bfloat16)
+    act = torch.empty(T, I, device=DEVICE, dtype=torch.bfloat16)
+    split = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
+                 PERSISTENT=1, TMA=1, SPLIT_K=2)
+
+    def chain(h, mode):
+        for i in range(3):
+            gemm(h, Wgu, act, silu_mul=True, pdl=mode)
+            gemm(act, Wd, h, residual=h, pdl=mode, config=split if i == 1 else None)
+        return h
+
+    want = chain(h0.clone(), 0)
+    assert torch.equal(chain(h0.clone(), pdl), want)
+    h = h0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(h, pdl)
+    for _ in range(2):
+        h.copy_(h0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, want)

@@ -1,7 +1,10 @@
-"""kernels/rms_norm.py against reference.rms_norm_ref: one row, one element, odd widths."""
+"""kernels/rms_norm.py against reference.rms_norm_ref: one row, one element, odd widths; the
+PDL modes give the same bits."""
 import pytest
 import torch
 
+from tests.kernels.util import launches
+from tritonchat.kernels import rms_norm as rms_norm_mod
 from tritonchat.kernels.reference import rms_norm_ref
 from tritonchat.kernels.rms_norm import rms_norm
 
@@ -45,6 +48,22 @@ def test_norm_validates():
         rms_norm(x, w[:8], EPS, torch.empty_like(x))
     with pytest.raises(ValueError):
         rms_norm(x, w, EPS, torch.empty(2, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("T,D", [(1, 80), (3, 33)])
+def test_rms_norm_pdl_modes_give_the_same_bits(T, D, pdl):
+    """pdl 1 / 2 (the weights read before the wait) write what pdl 0 writes, and the launch
+    asks for PDL with the kernel's PDL mode; other values are refused."""
+    x, _, w = _data(T, D, torch.float32, seed=D + pdl)
+    plain = rms_norm(x, w, EPS, torch.full_like(x, float("nan")))
+    with launches(rms_norm_mod) as seen:
+        out = rms_norm(x, w, EPS, torch.full_like(x, float("nan")), pdl=pdl)
+    assert torch.equal(out, plain)
+    assert seen == [("_rms_norm_kernel", pdl, True)]
+    for bad in (3, -1):
+        with pytest.raises(ValueError):
+            rms_norm(x, w, EPS, torch.empty_like(x), pdl=bad)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,6 @@
 """Helpers the kernel tests share (fixtures live in conftest.py)."""
+import contextlib
+
 import torch
 
 from tritonchat.kernels.gemv import scratch_numel
@@ -51,3 +53,26 @@ def epilogue_case(epilogue, n_out, g, dtype, conv_channels):
         ref_kw = dict(conv_state=conv_state.clone(), conv_w=conv_w)
         kw = dict(conv_state=conv_state, conv_w=conv_w)
     return out, kw, ref_kw
+
+
+@contextlib.contextmanager
+def launches(*modules):
+    """[(kernel, its PDL constexpr, launch_pdl asked)] of every launch of the `*_kernel` JIT
+    functions of these modules while the block runs (PDL None: the launch passed none)."""
+    seen = []
+    kernels = [getattr(m, n) for m in modules for n in dir(m)
+               if n.endswith("_kernel") and hasattr(getattr(m, n), "run")]
+    saved = [k.run for k in kernels]
+
+    def spy(k, run):
+        def launch(*args, **kw):
+            seen.append((k.fn.__name__, kw.get("PDL"), bool(kw.get("launch_pdl", False))))
+            return run(*args, **kw)
+        return launch
+    try:
+        for k, run in zip(kernels, saved):
+            k.run = spy(k, run)
+        yield seen
+    finally:
+        for k, run in zip(kernels, saved):
+            k.run = run
