@@ -54,16 +54,14 @@ built once by engine/persistent_step.py.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-import torch
 import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2
 from ._persistent import globaltimer, rows_load, signal, stall, wait_counter
-from .attention_decode import (LOG2E, _attend_tile, _kv_tile, _merge_chunk, _norm_rope,
+from .attention_decode import (_attend_tile, _kv_tile, _merge_chunk, _norm_rope,
                                _norm_weights, _rope_partner, _rope_table, _row, split_layout,
                                tile_positions)
 from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _softplus
@@ -208,7 +206,7 @@ def _gdn_in_proj(h_ptr, proj_ptr, w_l, nw_l, cw_l, cs_l, eps,
     # in the previous step), the norm weights
     w_c = rows_load(w_l, rows, ok, offs, D, DP)
     r0, w2, s2, sn = _epi_pre(rows, ok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
-    nw = tl.load(nw_l + offs, mask=offs < D, other=0.0)
+    nw = tl.load(nw_l + offs, mask=offs < D, other=0.0).to(tl.float32)
     _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall_op, stall_ns,
               timeout_ns, n_stamp, SPIN, PERSIST, STALL, STAMP, PDL)
     x = _rms_x(h_ptr, nw, offs, eps, D)
@@ -404,7 +402,8 @@ def _narrow(x_ptr, z_ptr, gw_l, w_l, h_ptr, kpart_ptr, tick_ptr, eps,
     r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     gw = tl.zeros((DVP,), dtype=tl.float32)
     if GATED:
-        gw = tl.load(gw_l + tl.arange(0, DVP), mask=tl.arange(0, DVP) < DV, other=0.0)
+        gw = tl.load(gw_l + tl.arange(0, DVP), mask=tl.arange(0, DVP) < DV,
+                     other=0.0).to(tl.float32)
     _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall_op, stall_ns,
               timeout_ns, n_stamp, SPIN, PERSIST, STALL, STAMP, PDL)
     for i in range(n_mine):
@@ -450,7 +449,7 @@ def _rms_gemv(h_ptr, out_ptr, w_l, nw_l, eps,
     wu_c = wg_c
     if SILU_MUL:
         wu_c = rows_load(w_l + N * K, rows, ok, offs, K, KP)
-    nw = tl.load(nw_l + offs, mask=offs < K, other=0.0)
+    nw = tl.load(nw_l + offs, mask=offs < K, other=0.0).to(tl.float32)
     _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall_op, stall_ns,
               timeout_ns, n_stamp, SPIN, PERSIST, STALL, STAMP, PDL)
     x = _rms_x(h_ptr, nw, offs, eps, K)
@@ -488,26 +487,25 @@ def _attn_task(qg_ptr, part_ptr, kc, vc, g, s, p, start, end, cache_end, kt0, vt
     heads = g * GROUP + offs_h
     qrows = qg_ptr + heads[:, None] * (2 * HD)
     qm = h_mask[:, None] & d_mask[None, :]
-    rep = g * HD + offs_h[:, None] * 0                      # every row: this KV head
-    rm = (offs_h >= 0)[:, None] & d_mask[None, :]
     K_OFF: tl.constexpr = H * 2 * HD
     V_OFF: tl.constexpr = K_OFF + (H // GROUP) * HD
+    # this token's key and value as [1, BLOCK_D] rows (fewer registers than attention_decode's
+    # rows repeated per query head: the persistent kernel holds every operator's live values)
+    kv_off = g * HD + offs_d[None, :]
+    dm = d_mask[None, :]
     qx = tl.load(qrows + offs_d[None, :], mask=qm, other=0.0, cache_modifier=".cg").to(tl.float32)
     qxp = tl.load(qrows + partner[None, :], mask=qm, other=0.0,
                   cache_modifier=".cg").to(tl.float32)
-    kx = tl.load(qg_ptr + K_OFF + rep + offs_d[None, :], mask=rm, other=0.0,
-                 cache_modifier=".cg").to(tl.float32)
-    kxp = tl.load(qg_ptr + K_OFF + rep + partner[None, :], mask=rm, other=0.0,
+    kx = tl.load(qg_ptr + K_OFF + kv_off, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    kxp = tl.load(qg_ptr + K_OFF + g * HD + partner[None, :], mask=dm, other=0.0,
                   cache_modifier=".cg").to(tl.float32)
-    v_new = tl.load(qg_ptr + V_OFF + rep + offs_d[None, :], mask=rm, other=0.0,
-                    cache_modifier=".cg").to(cdt)
+    v_new = tl.load(qg_ptr + V_OFF + kv_off, mask=dm, other=0.0, cache_modifier=".cg").to(cdt)
     qv = _norm_rope(qx, qxp, qw, qwp, cos, sin, offs_d, eps, act, HD, ROT)
     k_new = _norm_rope(kx, kxp, kw, kwp, cos, sin, offs_d, eps, act, HD, ROT)
     k_new = k_new.to(cdt).to(tl.float32)
     if s == 0:
-        slot_ok = ((offs_h == 0)[:, None] & d_mask[None, :]
-                   & ((offs_d * 0 + p) < max_ctx)[None, :])
-        dst = p.to(tl.int64) * HD + offs_h[:, None] * 0 + offs_d[None, :]
+        slot_ok = dm & ((offs_d * 0 + p) < max_ctx)[None, :]
+        dst = p.to(tl.int64) * HD + offs_d[None, :]
         tl.store(kc + dst, k_new.to(cdt), mask=slot_ok)
         tl.store(vc + dst, v_new, mask=slot_ok)
     q_dot = qv.to(cdt)
@@ -563,7 +561,7 @@ def _attn_core(qg_ptr, part_ptr, kc_l, vc_l, qn_l, kn_l, pos_ptr, max_ctx, eps, 
     """(KV head, split) tasks over positions 0..p; the split length is ceil((p+1)/NS) rounded
     up to BLOCK_N, so splits past the end have nothing to do (and store nothing). Before the
     wait: the norm weights, the RoPE table of p and the first task's first K/V tile (earlier
-    steps wrote them)."""
+    steps wrote them); each later task's first tile is loaded after the task before it."""
     GROUP: tl.constexpr = H // KV
     BLOCK_H: tl.constexpr = max(16, triton.next_power_of_2(GROUP))   # tl.dot: M >= 16
     BLOCK_D: tl.constexpr = max(16, triton.next_power_of_2(HD))
@@ -587,19 +585,19 @@ def _attn_core(qg_ptr, part_ptr, kc_l, vc_l, qn_l, kn_l, pos_ptr, max_ctx, eps, 
     _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall_op, stall_ns,
               timeout_ns, n_stamp, SPIN, PERSIST, STALL, STAMP, PDL)
     for i in range(n_mine):
-        tn = t + G
-        gn, sn, start_n, end_n, cache_end_n = _split_range(tn, p, per_split, max_ctx, KV, T)
-        ktn, vtn, nmn = _kv_tile(kc_l + gn.to(tl.int64) * max_ctx * HD,
-                                 vc_l + gn.to(tl.int64) * max_ctx * HD, start_n, cache_end_n,
-                                 offs_d, d_mask, HD, BLOCK_N)
         if s < n_active:
             _attn_task(qg_ptr, part_ptr, kc_l + g.to(tl.int64) * max_ctx * HD,
                        vc_l + g.to(tl.int64) * max_ctx * HD, g, s, p, start, end, cache_end,
                        kt0, vt0, nm0, cos, sin, qw, qwp, kw, kwp, offs_d, d_mask, partner, eps,
                        qk_scale_log2, max_ctx, H, HD, ROT, GROUP, NS, BLOCK_H, BLOCK_D,
                        BLOCK_N, DOT_PRECISION)
-        t, g, s, start, end, cache_end = tn, gn, sn, start_n, end_n, cache_end_n
-        kt0, vt0, nm0 = ktn, vtn, nmn
+        # the next task's first tile (after this task: two tiles in flight would not fit the
+        # shared memory of two programs an SM)
+        t = t + G
+        g, s, start, end, cache_end = _split_range(t, p, per_split, max_ctx, KV, T)
+        kt0, vt0, nm0 = _kv_tile(kc_l + g.to(tl.int64) * max_ctx * HD,
+                                 vc_l + g.to(tl.int64) * max_ctx * HD, start, cache_end, offs_d,
+                                 d_mask, HD, BLOCK_N)
     _op_end(cnt_ptr, stamp_ptr, q, pid, n_stamp, PERSIST, STAMP)
 
 
@@ -654,7 +652,7 @@ def _lm_head(h_ptr, fn_ptr, e_ptr, logits_ptr, keys_ptr, valid_vocab, eps,
     n_mine, rows, ok = _my_tasks(pid, G, V, BN)
     offs = tl.arange(0, KP)
     w_c = rows_load(e_ptr, rows, ok, offs, K, KP)
-    nw = tl.load(fn_ptr + offs, mask=offs < K, other=0.0)
+    nw = tl.load(fn_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
     _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall_op, stall_ns,
               timeout_ns, n_stamp, SPIN, PERSIST, STALL, STAMP, PDL)
     x = _rms_x(h_ptr, nw, offs, eps, K)
@@ -846,14 +844,18 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
-def step_plan(dims: dict, *, grid: int, max_context: int, split_k: bool, tile: int = TILE,
+def step_plan(dims: dict, *, sm_count: int, max_context: int, split_k: bool, tile: int = TILE,
               overrides: Optional[dict] = None) -> dict:
-    """The kernel's tile sizes for a model of `dims` (D, I, V, HK, HV, DK, DV, KW, H, KV, HD, ROT)
-    on a grid of `grid` programs: rows per task so a task's tile is about `tile` weight
-    elements; split_k: the narrow projections (N = D rows) split K into up to MAX_SPLIT tasks a
-    row block, as many as it takes to give every program two tasks (row-only tasks without);
-    the attention's split count covers the grid at long contexts (attention_decode's rule).
-    `overrides` replaces entries by name (tests, the tuner)."""
+    """The kernel's grid and tile sizes for a model of `dims` (D, I, V, HK, HV, DK, DV, KW, H,
+    KV, HD, ROT): grid = sm_count x programs_per_sm (PROGRAMS_PER_SM), rows per task so a
+    task's tile is about `tile` weight elements; split_k: the narrow projections (N = D rows)
+    split K into up to MAX_SPLIT tasks a row block, as many as it takes to give every program
+    two tasks (row-only tasks without); the attention's split count covers the grid at long
+    contexts (attention_decode's rule). `overrides` replaces entries by name (tests, tuning):
+    any of the returned keys, programs_per_sm included."""
+    overrides = dict(overrides or {})
+    ppsm = int(overrides.pop("programs_per_sm", PROGRAMS_PER_SM))
+    grid = int(sm_count) * ppsm
     d = dims
     rows = lambda k: max(1, min(16, _prev_pow2(tile // next_pow2(k))))  # noqa: E731
 
@@ -868,7 +870,9 @@ def step_plan(dims: dict, *, grid: int, max_context: int, split_k: bool, tile: i
 
     from .gdn_decode import default_block_v
     hvp, dvp = next_pow2(d["HV"]), next_pow2(d["DV"])
-    block_n = tile_positions(d["H"], d["KV"], d["HD"])
+    # K/V tiles of at most 8K elements: the attention's dot operands live in shared memory, and
+    # two programs an SM must fit
+    block_n = max(16, min(tile_positions(d["H"], d["KV"], d["HD"]), 8192 // next_pow2(d["HD"])))
     bn_o, ks_o = narrow(hvp * dvp, hvp)
     bn_ao, ks_ao = narrow(next_pow2(d["H"] * d["HD"]), MAX_SPLIT)
     bn_d, ks_d = narrow(next_pow2(d["I"]), MAX_SPLIT)
@@ -878,11 +882,12 @@ def step_plan(dims: dict, *, grid: int, max_context: int, split_k: bool, tile: i
              BLOCK_N=block_n, BDM=max(16, min(64, next_pow2(d["HD"]))), BN_AO=bn_ao, KS_AO=ks_ao,
              BN_GU=max(1, rows(d["D"]) // 2), BN_D=bn_d, KS_D=ks_d, BN_LM=rows(d["D"]),
              ARG_BLOCK=min(1024, next_pow2(grid)), num_warps=NUM_WARPS)
-    p.update(overrides or {})
+    p.update(overrides)
+    p.update(grid=grid, programs_per_sm=ppsm)
     return p
 
 
-def scratch_sizes(dims: dict, plan: dict, grid: int) -> dict:
+def scratch_sizes(dims: dict, plan: dict) -> dict:
     """Elements of each scratch buffer the kernel needs: attention partials (fp32), K-split
     partials (fp32) and tickets (int32, zeroed once: every ticket holder resets its ticket),
     LM-head keys (int64, one a program)."""
@@ -890,7 +895,7 @@ def scratch_sizes(dims: dict, plan: dict, grid: int) -> dict:
     ks = max(p["KS_O"], p["KS_AO"], p["KS_D"])
     blocks = max(cdiv(d["D"], p[k]) for k in ("BN_O", "BN_AO", "BN_D"))
     return dict(part=d["H"] * p["NS"] * (d["HD"] + 2), kpart=max(1, ks) * d["D"], tick=blocks,
-                keys=grid)
+                keys=p["grid"])
 
 
 def launch(args: dict, meta: dict, grid: int, *, phase: int, layer: int = 0) -> None:
