@@ -31,6 +31,7 @@ import torch
 from tritonchat.kernels import persistent_step as K
 from tritonchat.kernels import sampling as S
 from tritonchat.kernels._persistent import programs_per_sm
+from tritonchat.kernels.attention_decode import LOG2E
 
 from .config import TextConfig
 from .decode_step import (TOP_K_MAX, TOP_K_MAX_INTERPRETER, GdnWeights, Launcher, LayerWeights,
@@ -64,20 +65,20 @@ class _StampMark:
 class PersistentStep:
     """token in io.tok at position io.pos -> the next token in io.tok, io.pos + 1, in one
     persistent launch (phase=True: one launch per operator). Arguments as DecodeStep's;
-    `grid` overrides the programs (SMs x programs per SM on the GPU, CPU_GRID on the CPU) and
-    `plan_overrides` the tile sizes (kernels.persistent_step.step_plan's names)."""
+    `plan_overrides` replaces the grid's programs per SM and the tile sizes
+    (kernels.persistent_step.step_plan's names). On the CPU the phase form runs on CPU_GRID
+    programs and the persistent form on one."""
 
     def __init__(self, cfg: TextConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  lm_head: torch.Tensor, final_norm: torch.Tensor, io: StepIO, state: ModelState,
                  *, max_context: int, valid_vocab: int, split_k: bool, sm_count: int,
                  launcher: Optional[Launcher] = None, phase: Optional[bool] = None,
-                 grid: Optional[int] = None, plan_overrides: Optional[dict] = None):
+                 plan_overrides: Optional[dict] = None):
         self.cfg, self.layers, self.io, self.state = cfg, layers, io, state
         self.device = io.h.device
         self.launch = launcher or Launcher()
         cuda = self.device.type == "cuda"
         self.phase = (not cuda) if phase is None else bool(phase)
-        self.grid = int(grid or (sm_count * K.PROGRAMS_PER_SM if cuda else CPU_GRID))
         self.max_context, self.valid_vocab = max_context, valid_vocab
         self.sampled, self.candidates = False, 0
         self.top_k_max = TOP_K_MAX if cuda else TOP_K_MAX_INTERPRETER
@@ -88,8 +89,14 @@ class PersistentStep:
                          DK=cfg.linear_key_head_dim, DV=cfg.linear_value_head_dim,
                          KW=cfg.linear_conv_kernel_dim, H=cfg.num_attention_heads,
                          KV=cfg.num_key_value_heads, HD=cfg.head_dim, ROT=cfg.rotary_dim)
-        self.plan = K.step_plan(self.dims, grid=self.grid, max_context=max_context,
-                                split_k=split_k, overrides=plan_overrides)
+        overrides = dict(plan_overrides or {})
+        if not cuda:
+            overrides.setdefault("programs_per_sm", 1)
+        # the interpreter runs programs one after another: the phase form on CPU_GRID of them,
+        # the persistent form only on one (its own counts satisfy its waits)
+        self.plan = K.step_plan(self.dims, sm_count=sm_count if cuda else CPU_GRID if self.phase else 1,
+                                max_context=max_context, split_k=split_k, overrides=overrides)
+        self.grid = self.plan["grid"]
         self._tables(embed, lm_head, final_norm)
         self._buffers()
         # one plan for every position: the context-range interface with one range
@@ -106,7 +113,7 @@ class PersistentStep:
     def _tables(self, embed, lm_head, final_norm) -> None:
         """The address table (N_SLOTS per layer), the fp32 small-vector table, the layer kinds
         and each layer's first operator; the operator list [(q, op kind, layer)]."""
-        cfg, d, dev = self.cfg, self.dims, self.device
+        d, dev = self.dims, self.device
         act = self.io.h.dtype
         D = d["D"]
         sp_n = 2 * D + max(2 * d["HV"] + d["DV"], 2 * d["HD"])
@@ -186,7 +193,7 @@ class PersistentStep:
         self.attn_proj = z(2 * H * hd + 2 * KV * hd)
         self.attn_out = z(H * hd)
         self.act = z(d["I"])
-        sc = K.scratch_sizes(d, self.plan, G)
+        sc = K.scratch_sizes(d, self.plan)
         self.attn_part = z(sc["part"], torch.float32)
         self.kpart = z(sc["kpart"], torch.float32)
         self.tick = z(sc["tick"], torch.int32)
@@ -208,13 +215,13 @@ class PersistentStep:
             lw_ptr=self.lw, sp_ptr=self.sp, kind_ptr=self.kinds, q0_ptr=self.q0s,
             cnt_ptr=self.cnt, epoch_ptr=self.epoch, err_ptr=self.err, stamp_ptr=self.stamps,
             stall_rec_ptr=self.stall_rec, G=G, q_lm=self.q_lm, eps=float(cfg.rms_norm_eps),
-            q_scale=float(d["DK"]) ** -0.5, qk_scale_log2=float(d["HD"]) ** -0.5 * K.LOG2E,
+            q_scale=float(d["DK"]) ** -0.5, qk_scale_log2=float(d["HD"]) ** -0.5 * LOG2E,
             freq_log2_step=-2.0 * math.log2(float(cfg.rope_theta)) / d["ROT"],
             max_ctx=self.max_context,
             valid_vocab=int(self.valid_vocab),
             row_offset=counts.shape[-1] if counts.dim() == 2 else 0,
             stall_op=-1, stall_ns=0, timeout_ns=SPIN_TIMEOUT_NS, n_stamp=self.n_stamp)
-        p = dict(self.plan)
+        p = {k: v for k, v in self.plan.items() if k not in ("grid", "programs_per_sm")}
         self.num_warps = p.pop("num_warps")
         kv_dtype = next(iter(self.state.kv.values()))[0].dtype if self.state.kv else io.h.dtype
         self.meta = dict(
@@ -228,7 +235,7 @@ class PersistentStep:
     def _check_occupancy(self) -> dict:
         """Compile the persistent kernel without launching it and check that the grid's
         programs fit the SMs at once (a grid that does not would deadlock)."""
-        ppsm = max(1, self.grid // max(1, torch.cuda.get_device_properties(self.device).multi_processor_count))
+        ppsm = self.plan["programs_per_sm"]
         try:
             compiled = K._step_kernel.warmup(**self.args, phase_layer=0, PHASE=K.PERSISTENT,
                                              SAMPLED=False, ADVANCE=True, grid=(self.grid,),
@@ -293,7 +300,7 @@ class PersistentStep:
         """What operator `op` of layer `layer` reads and writes (weights, states; the KV cache
         at the current length), for the GB/s of the timing rows."""
         es = self.io.h.element_size()
-        d, cfg = self.dims, self.cfg
+        d = self.dims
         D = d["D"]
         if op == K.OP_EMBED:
             return 2 * D * es

@@ -563,8 +563,9 @@ def _attn_core(qg_ptr, part_ptr, kc_l, vc_l, qn_l, kn_l, pos_ptr, max_ctx, eps, 
     wait: the norm weights, the RoPE table of p and the first task's first K/V tile (earlier
     steps wrote them); each later task's first tile is loaded after the task before it."""
     GROUP: tl.constexpr = H // KV
-    BLOCK_H: tl.constexpr = max(16, triton.next_power_of_2(GROUP))   # tl.dot: M >= 16
-    BLOCK_D: tl.constexpr = max(16, triton.next_power_of_2(HD))
+    # (the host's sizes of attention_decode; tl.dot needs M >= 16)
+    BLOCK_H: tl.constexpr = 16 if GROUP <= 16 else triton.next_power_of_2(GROUP)
+    BLOCK_D: tl.constexpr = 16 if HD <= 16 else triton.next_power_of_2(HD)
     T: tl.constexpr = KV * NS
     n_mine = (T - pid + G - 1) // G
     act = qg_ptr.dtype.element_ty
