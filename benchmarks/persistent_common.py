@@ -9,7 +9,7 @@
                                             roofline, the variant loop, the best variant
 
 The scripts choose the interpreter (TRITON_INTERPRET=1 for --device cpu) before importing this
-module: triton.jit reads it when it decorates the functions below.
+module: triton.jit reads it when it decorates the kernels this module imports.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import traceback
 
 import torch
 import triton
-import triton.language as tl
 
 from _bench_util import ptxas_regs, shim_checkout
 
