@@ -194,6 +194,30 @@ def test_decode_mode_switch_rebuilds_the_step(ckpt):
     assert EngineOptions().decode_mode == "per_op"
 
 
+@interpreter_only
+def test_cli_generate_in_persistent_mode(tmp_path):
+    """`tritonchat generate --backend triton --device cpu --decode-mode persistent` under the
+    interpreter runs the phase form end to end: the per-operator mode's tokens, the mode in the
+    JSON, no fallback message."""
+    import json
+    import subprocess
+    import sys
+    model = make_tiny_checkpoint(tmp_path / "m", layout="index")
+    out = {}
+    for mode in ("per_op", "persistent"):
+        r = subprocess.run([sys.executable, "-m", "tritonchat.app.launcher", "generate", "--model", str(model),
+                            "--backend", "triton", "--device", "cpu", "--decode-mode", mode,
+                            "--prompt-ids", "5,6,7,8", "--greedy", "--max-new-tokens", "5", "--ignore-eos",
+                            "--json"], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "cannot run here" not in r.stderr
+        out[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out[mode]["decode_mode"] == mode and out[mode]["backend"] == "triton"
+    assert out["persistent"]["token_ids"] == out["per_op"]["token_ids"]
+    assert len(out["persistent"]["token_ids"]) == 5
+
+
 # ------------------------------------------------------------------------------ GPU ----
 
 def _true_shape_pair(mode_b="persistent", **opts):
