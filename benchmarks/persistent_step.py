@@ -46,7 +46,7 @@ def parse_args(argv=None):
 
 
 def _build(args):
-    from tritonchat.engine.config import load_config, qwen35_08b_config
+    from tritonchat.engine.config import qwen35_08b_config
     from tritonchat.engine.loader import load_backend, random_backend
     ctx = args.context or max(4096, args.long + args.new + 64, args.prompt + args.new + 64)
     opts = EngineOptions(backend="triton", device="cuda", dtype="bfloat16", max_context=ctx,

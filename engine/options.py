@@ -4,7 +4,10 @@ Every switch that changes what the engine launches is a field of `EngineOptions`
 one-line help, its label in the settings dialog and its key in the stats line in the field's
 metadata. The CLI flags (engine/cli.py), the settings dialog (app/settings_dialog.py), the bench
 (engine/bench.py) and the stats line (`stats_fields`) are generated from these fields, so adding
-a switch here is the whole of its plumbing outside the code that obeys it.
+a switch here is the whole of its plumbing outside the code that obeys it. A setting of named
+values (`decode_mode`) is a `_choice` field with the same metadata and its `choices`: the CLI
+flag comes from it (`choice_fields`); the settings dialog, the bench and the stats line list
+only the boolean switches so far.
 
 No torch and no Qt here: the app imports this module before it has a GPU.
 """

@@ -53,9 +53,6 @@ class _StampMark:
     def __init__(self, step: "PersistentStep", q: int):
         self.step, self.q = step, q
 
-    def record(self) -> None:
-        pass
-
     def elapsed_time(self, end: "_StampMark") -> float:
         if self.q == 0:
             self.step._read_stamps()
