@@ -64,7 +64,9 @@ class PersistentStep:
     persistent launch (phase=True: one launch per operator). Arguments as DecodeStep's;
     `plan_overrides` replaces the grid's programs per SM and the tile sizes
     (kernels.persistent_step.step_plan's names). On the CPU the phase form runs on CPU_GRID
-    programs and the persistent form on one."""
+    programs and the persistent form on one. The kernel reaches the weights and the states
+    through their addresses, taken here: the engine updates states in place (prefill,
+    snapshots, reset), never by replacing a tensor."""
 
     def __init__(self, cfg: TextConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  lm_head: torch.Tensor, final_norm: torch.Tensor, io: StepIO, state: ModelState,

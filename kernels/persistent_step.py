@@ -64,7 +64,7 @@ from ._persistent import globaltimer, rows_load, signal, stall, wait_counter
 from .attention_decode import (_attend_tile, _kv_tile, _merge_chunk, _norm_rope,
                                _norm_weights, _rope_partner, _rope_table, _row, split_layout,
                                tile_positions)
-from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _softplus
+from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _softplus, default_block_v
 from .gemv import EPI_CONV, _epi_pre, _epilogue
 from .sampling import _KEY_EMPTY, _count_and_advance, _pack, _unpack_idx
 
@@ -869,7 +869,6 @@ def step_plan(dims: dict, *, sm_count: int, max_context: int, split_k: bool, til
                 ks *= 2
         return bn, ks
 
-    from .gdn_decode import default_block_v
     hvp, dvp = next_pow2(d["HV"]), next_pow2(d["DV"])
     # K/V tiles of at most 8K elements: the attention's dot operands live in shared memory, and
     # two programs an SM must fit
