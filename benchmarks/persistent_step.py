@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-split-k", action="store_true")
     p.add_argument("--timing-steps", type=int, default=24, help="timed steps for the operator table")
+    p.add_argument("--plan", default="", help='persistent plan overrides as JSON, e.g. '
+                   '\'{"programs_per_sm": 1, "num_warps": 8}\' (kernels.persistent_step.step_plan)')
     return p.parse_args(argv)
 
 
@@ -63,6 +65,8 @@ def main(argv=None):
         raise SystemExit("needs a CUDA GPU (the interpreter tests: tests/engine/test_persistent_step.py)")
     t_start = time.time()
     cfg, be = _build(args)
+    if args.plan:
+        be.set_plans({"persistent": json.loads(args.plan)})
     props = torch.cuda.get_device_properties(0)
     roof = be.measure_roofline()
     roof_tok_s = roof["gb_s"] * 1e9 / roof["bytes_per_token"]
@@ -70,7 +74,7 @@ def main(argv=None):
     res = dict(gpu=props.name, sms=props.multi_processor_count, hbm_gb_s=roof["gb_s"],
                bytes_per_token=roof["bytes_per_token"], roofline_tok_s=roof_tok_s,
                prompt=args.prompt, new_tokens=args.new, graph=not args.no_graph,
-               split_k=not args.no_split_k, modes={})
+               split_k=not args.no_split_k, plan_overrides=args.plan or None, modes={})
     print(f"# {props.name}: HBM {roof['gb_s']:.0f} GB/s, {roof['bytes_per_token'] / 1e9:.3f} GB a token, "
           f"roofline {roof_tok_s:.0f} tok/s", flush=True)
     for mode in MODES:
