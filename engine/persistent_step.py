@@ -266,9 +266,7 @@ class PersistentStep:
             finally:
                 self.launch.timer = t
             if t is not None:
-                t.events.extend((K.OP_NAMES[op], self._op_bytes(op, layer), _StampMark(self, q),
-                                 _StampMark(self, q)) for q, op, layer in self.ops
-                                if op != K.OP_ARGMAX or not self.sampled)
+                t.events.extend(self.timer_records())
         if self.sampled:
             self._sample(advance=True)
 
@@ -326,6 +324,12 @@ class PersistentStep:
         if op == K.OP_MLP_GATE_UP:
             return lw.gate_up.numel() * es
         return lw.down.numel() * es
+
+    def timer_records(self) -> list[tuple]:
+        """A KernelTimer's (name, bytes, start, end) records of one persistent step, one per
+        operator, whose marks read the step's stamps when the timer accumulates them."""
+        return [(K.OP_NAMES[op], self._op_bytes(op, layer), _StampMark(self, q), _StampMark(self, q))
+                for q, op, layer in self.ops if op != K.OP_ARGMAX or not self.sampled]
 
     def _step_bytes(self) -> int:
         return sum(self._op_bytes(op, layer) for _, op, layer in self.ops)

@@ -192,6 +192,43 @@ def test_persistent_form_on_one_program(ckpt):
     assert step.cnt.tolist() == [steps] * (step.q_lm + 2)
 
 
+def test_stamps_become_the_timing_rows(ckpt):
+    """The timing panel's rows from the kernel's stamps (synthetic here): per operator kind the
+    launches a token, the time from the previous operator's last end to its own last end, and
+    GB/s from its bytes; the rows add up to the step."""
+    from tritonchat.engine.decode_step import KernelTimer
+    from tritonchat.engine.persistent_step import PersistentStep
+    from tritonchat.kernels import persistent_step as K
+    if "default" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+    _, be = _backend(ckpt, "persistent", graph=False)
+    step = PersistentStep(be.cfg, be.layers, be.embed, be.lm_head_w, be.final_norm, be.io, be.state,
+                          max_context=be.options.max_context, valid_vocab=be.valid_vocab, split_k=True,
+                          sm_count=1, phase=False)
+    n_ops = len(step.ops)
+    st = torch.zeros(step.grid, n_ops, 2, dtype=torch.int64)
+    t0 = 10_000
+    for q in range(n_ops):           # operator q starts at t0 + 1000 q and ends 100 (q + 1) ns later
+        st[:, q, 0] = t0 + 1000 * q
+        st[:, q, 1] = t0 + 1000 * q + 100 * (q + 1)
+    step.stamps.copy_(st.view(-1))
+    timer = KernelTimer()
+    timer.accumulate(step.timer_records())
+    rows = {r["name"]: r for r in timer.rows()}
+    ends = [1000 * q + 100 * (q + 1) for q in range(n_ops)]
+    want = [ends[0]] + [ends[q] - ends[q - 1] for q in range(1, n_ops)]
+    per_kind = {}
+    for (q, op, _), ns in zip(step.ops, want):
+        per_kind.setdefault(K.OP_NAMES[op], []).append(ns)
+    assert set(rows) == set(per_kind)
+    for name, ns in per_kind.items():
+        assert rows[name]["launches_per_token"] == len(ns)
+        assert rows[name]["us_per_token"] == pytest.approx(sum(ns) / 1e3)
+        assert rows[name]["gb_s"] > 0
+    assert timer.step_seconds == pytest.approx(ends[-1] * 1e-9)
+    assert rows["gemv_gdn_in_proj_norm_conv"]["launches_per_token"] == 3     # 3 GDN layers of 4
+
+
 @interpreter_only
 def test_decode_mode_switch_rebuilds_the_step(ckpt):
     """configure(decode_mode=...) swaps the step (and drops the graphs); an unknown mode is an
