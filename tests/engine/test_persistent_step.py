@@ -230,6 +230,25 @@ def test_stamps_become_the_timing_rows(ckpt):
 
 
 @interpreter_only
+def test_unavailable_persistent_step_falls_back_with_one_message(ckpt, monkeypatch, capsys):
+    """Where the persistent step cannot run (on the GPU: a grid that cannot be co-resident),
+    the backend decodes per operator, says why once, and the option reads per_op."""
+    from tritonchat.engine import persistent_step as PS
+    if "default" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+
+    def refuse(self, *a, **kw):
+        raise PS.PersistentUnavailable("its grid of 264 programs (2 an SM) cannot be resident at once")
+    monkeypatch.setattr(PS.PersistentStep, "__init__", refuse)
+    _, be = _backend(ckpt, "persistent", graph=False)
+    assert type(be.decode_step).__name__ == "DecodeStep" and be.options.decode_mode == "per_op"
+    be.configure(split_k=False)                     # a rebuild: no second message
+    err = capsys.readouterr().err
+    assert err.count("persistent decode step cannot run here") == 1
+    assert "cannot be resident at once" in be.decode_mode_error
+
+
+@interpreter_only
 def test_decode_mode_switch_rebuilds_the_step(ckpt):
     """configure(decode_mode=...) swaps the step (and drops the graphs); an unknown mode is an
     OptionError; the per-operator step is the default."""
