@@ -253,9 +253,9 @@ class PersistentStep:
     # -------------------------------------------------------------------- the step ----
     def __call__(self) -> None:
         if self.phase:
-            for q, op, layer in self.ops:
+            for _, op, layer in self.ops:
                 if op != K.OP_ARGMAX or not self.sampled:
-                    self._phase(q, op, layer, advance=True)
+                    self._phase(op, layer, advance=True)
         else:
             t = self.launch.timer
             self.launch.timer = None           # timed by its stamps, per operator
@@ -273,13 +273,13 @@ class PersistentStep:
     def head(self, advance: bool = False) -> None:
         """Final norm, LM head and the next token into io.tok (counted for the penalties; with
         `advance` also io.pos += 1): the head's operators, one launch each."""
-        for q, op, layer in self.ops[-2:]:
+        for _, op, layer in self.ops[-2:]:
             if op != K.OP_ARGMAX or not self.sampled:
-                self._phase(q, op, layer, advance=advance)
+                self._phase(op, layer, advance=advance)
         if self.sampled:
             self._sample(advance=advance)
 
-    def _phase(self, q: int, op: int, layer: int, advance: bool) -> None:
+    def _phase(self, op: int, layer: int, advance: bool) -> None:
         self.launch(K.OP_NAMES[op], self._op_bytes(op, layer), K.launch, self.args,
                     dict(self.meta, SAMPLED=self.sampled, ADVANCE=advance, STAMP=False),
                     self.grid, phase=op, layer=max(layer, 0))
