@@ -82,309 +82,25 @@ import triton.language as tl  # noqa: E402
 
 from persistent_common import (INTERPRET, add_driver_args, add_run_args,  # noqa: E402
                                best_persistent, cdiv, check_co_resident, compile_only_result,
-                               compile_sm90, device_l2, globaltimer, hbm_roofline,
-                               import_tritonchat, next_pow2, open_device, rel_err, round_floats,
-                               rows_load, run_variants, selected, signal, stall, stall_cost, sync,
-                               time_chains, under_watchdog, wait_counter)
+                               compile_sm90, device_l2, hbm_roofline, import_tritonchat,
+                               next_pow2, open_device, rel_err, round_floats, run_variants,
+                               selected, stall_cost, sync, time_chains, under_watchdog)
 
 import_tritonchat()
 
-from tritonchat.kernels.gdn_decode import (L2NORM_EPS, SOFTPLUS_THRESHOLD,  # noqa: E402
-                                           _softplus)
-from tritonchat.kernels.gemv import EPI_CONV, _epi_pre, _epilogue  # noqa: E402
+from tritonchat.kernels import persistent_step as PS  # noqa: E402
 
 OPS = ("in_proj", "core+z", "out_proj", "gate_up", "down")       # per layer, in chain order
 ENGINE_NAMES = ("gemv_gdn_in_proj_norm_conv", "gdn_decode", "gemv_gdn_out_proj_gatednorm",
                 "gemv_mlp_gate_up_norm_silu", "gemv_mlp_down")   # the engine's, same order
 N_OPS = len(OPS)
-# the kernels' view of the constants above (Triton reads globals only as constexprs)
+# the kernel's view of the constant above (Triton reads globals only as constexprs)
 N_OPS_K = tl.constexpr(N_OPS)
-EPI_CONV_K = tl.constexpr(EPI_CONV)
-L2_EPS_K = tl.constexpr(L2NORM_EPS)
-SP_THRESHOLD_K = tl.constexpr(SOFTPLUS_THRESHOLD)
 
 
 # ------------------------------------------------------------------------------------------
-# the operators of the chain kernel (one @triton.jit each; PERSIST: counters, else PDL)
-# ------------------------------------------------------------------------------------------
-
-@triton.jit
-def _my_tasks(pid, G, N: tl.constexpr, BN: tl.constexpr):
-    """This program's share of an operator of N rows in tasks of BN rows (task t is program
-    t mod G's): how many tasks, and the rows of the first with their mask."""
-    T: tl.constexpr = (N + BN - 1) // BN
-    n_mine = (T - pid + G - 1) // G
-    rows = pid * BN + tl.arange(0, BN)
-    return n_mine, rows, rows < N
-
-
-@triton.jit
-def _op_wait(cnt_ptr, q, target, err_ptr, timeout_ns, stall_op, pid, stall_ns, stall_rec_ptr,
-             SPIN: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, STALL: tl.constexpr):
-    """Wait for operator q's inputs: the previous operator's counter (persistent; the chain's
-    first operator waits for nothing) or the previous launch (PDL). Then the injected stall:
-    the program of operator stall_op's first task spins stall_ns."""
-    if PERSIST:
-        if q > 0:
-            wait_counter(cnt_ptr + q - 1, target, err_ptr, timeout_ns, SPIN)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if STALL:
-        if (q == stall_op) & (pid == 0):
-            stall(stall_ns, stall_rec_ptr)
-
-
-@triton.jit
-def _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST: tl.constexpr,
-             STAMP: tl.constexpr):
-    """Count this program's n_mine tasks of operator q as done (release); stamp the time."""
-    if PERSIST:
-        signal(cnt_ptr + q, n_mine)
-        if STAMP:
-            tl.store(stamp_ptr + pid * n_stamp + q + 1, globaltimer())
-
-
-@triton.jit
-def _rms_x(v_ptr, nw, offs, eps, K: tl.constexpr):
-    """round(v * rsqrt(mean(v^2) + eps) * (1 + nw)) over the whole vector, fp32 (v written in
-    this launch: read from L2, .cg)."""
-    v = tl.load(v_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-    vf = v.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(vf * vf, axis=0) / K + eps)
-    return (vf * inv * (1.0 + nw)).to(v.dtype).to(tl.float32)
-
-
-@triton.jit
-def _in_proj(h_ptr, proj_ptr, w_l, nw_l, cw_l, cs_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
-             q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
-             H: tl.constexpr, N_IN: tl.constexpr, CONV_DIM: tl.constexpr, KW: tl.constexpr,
-             BN: tl.constexpr, T_PREV: tl.constexpr, SPIN: tl.constexpr,
-             PERSIST: tl.constexpr, STALL: tl.constexpr, STAMP: tl.constexpr, PDL: tl.constexpr):
-    """Operator 0: proj[rows] for rows of [qkv | b | a], the input norm in the prologue, the
-    engine's conv epilogue on the qkv rows (state shifted in place). Returns x (the normed
-    input), which the z rows of operator 1 reuse."""
-    HP: tl.constexpr = triton.next_power_of_2(H)
-    n_mine, rows, ok = _my_tasks(pid, G, N_IN, BN)
-    offs = tl.arange(0, HP)
-    # before the wait: my first tile, its conv weights and state (this program wrote that state
-    # in the previous chain), the norm weights
-    w_c = rows_load(w_l, rows, ok, offs, H, HP)
-    r0, w2, s2, sn = _epi_pre(rows, ok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
-    nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
-             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
-    x = _rms_x(h_ptr, nw, offs, eps, H)
-    for i in range(n_mine):
-        nrows = rows + G * BN
-        nok = nrows < N_IN                  # past my last task: nothing is loaded
-        w_n = rows_load(w_l, nrows, nok, offs, H, HP)
-        r0n, w2n, s2n, snn = _epi_pre(nrows, nok, h_ptr, cs_l, cw_l, CONV_DIM, EPI_CONV_K, KW, BN)
-        y = tl.sum(w_c.to(tl.float32) * x[None, :], axis=1)
-        _epilogue(y, y, rows, ok, proj_ptr, cs_l, CONV_DIM, r0, w2, s2, sn, EPI_CONV_K, KW)
-        rows, ok, w_c = nrows, nok, w_n
-        r0, w2, s2, sn = r0n, w2n, s2n, snn
-    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
-    return x
-
-
-@triton.jit
-def _state_tile(rec_l, c, offs_k, offs_v0, DK: tl.constexpr, DV: tl.constexpr,
-                HV: tl.constexpr, BV: tl.constexpr):
-    """Pointers and mask of core task c's fp32 state tile S[h, :, v0:v0 + BV] (value heads
-    fastest: h = c % HV, v0 = (c // HV) * BV, the engine's order)."""
-    hh = c % HV
-    offs_v = (c // HV) * BV + offs_v0
-    ptrs = (rec_l + hh.to(tl.int64) * (DK * DV) + offs_k.to(tl.int64)[:, None] * DV
-            + offs_v[None, :])
-    mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
-    return ptrs, mask
-
-
-@triton.jit
-def _core_tile(S, c, proj_ptr, o_ptr, rec_l, alog_l, dtb_l, q_scale, offs_k, offs_v0,
-               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BV: tl.constexpr):
-    """The delta rule of one token on core task c's state tile S (loaded by the caller):
-    kernels/gdn_decode.py's formulas (every reduction on the loaded values), S and o stored."""
-    KEY_DIM: tl.constexpr = HK * DK
-    CONV_DIM: tl.constexpr = 2 * KEY_DIM + HV * DV
-    GROUP: tl.constexpr = HV // HK
-    act = proj_ptr.dtype.element_ty
-    hh = c % HV
-    hk = hh // GROUP
-    offs_v = (c // HV) * BV + offs_v0
-    mk = offs_k < DK
-    mv = offs_v < DV
-    q = tl.load(proj_ptr + hk * DK + offs_k, mask=mk, other=0.0,
-                cache_modifier=".cg").to(tl.float32)
-    k = tl.load(proj_ptr + KEY_DIM + hk * DK + offs_k, mask=mk, other=0.0,
-                cache_modifier=".cg").to(tl.float32)
-    v = tl.load(proj_ptr + 2 * KEY_DIM + hh * DV + offs_v, mask=mv, other=0.0,
-                cache_modifier=".cg").to(tl.float32)
-    b = tl.load(proj_ptr + CONV_DIM + hh, cache_modifier=".cg").to(tl.float32)
-    a = tl.load(proj_ptr + CONV_DIM + HV + hh, cache_modifier=".cg").to(tl.float32)
-    dt_b = tl.load(dtb_l + hh).to(tl.float32)
-    a_log = tl.load(alog_l + hh).to(tl.float32)
-    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS_K) * q_scale
-    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS_K)
-    qk = tl.sum(q * k, axis=0)
-    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
-    sq = tl.sum(S * q[:, None], axis=0)
-    beta = tl.sigmoid(b).to(act).to(tl.float32)
-    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD_K))
-    delta = beta * (v - (g * rk) * sk)
-    S = S * g + (k * rk)[:, None] * delta[None, :]
-    o = (g * rq) * sq + delta * (rk * rq * qk)
-    ptrs, mask = _state_tile(rec_l, c, offs_k, offs_v0, DK, DV, HV, BV)
-    tl.store(ptrs, S, mask=mask)
-    tl.store(o_ptr + hh * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
-
-
-@triton.jit
-def _core_z(x, proj_ptr, z_ptr, o_ptr, wz_l, rec_l, alog_l, dtb_l, cnt_ptr, err_ptr, stamp_ptr,
-            stall_rec_ptr, q, base, pid, G, q_scale, stall_op, stall_ns, timeout_ns, n_stamp,
-            H: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-            DV: tl.constexpr, BV: tl.constexpr, BN_Z: tl.constexpr, T_PREV: tl.constexpr,
-            SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
-            STAMP: tl.constexpr, PDL: tl.constexpr):
-    """Operator 1: tasks [core tiles (value head x V-tile) | z row tiles], task t program
-    t mod G's. A program's z rows first (z = W_z x needs only the layer input: no wait), then
-    the wait for the in_proj, then its core tiles."""
-    HP: tl.constexpr = triton.next_power_of_2(H)
-    DKP: tl.constexpr = triton.next_power_of_2(DK)
-    VD: tl.constexpr = HV * DV
-    T_C: tl.constexpr = HV * ((DV + BV - 1) // BV)
-    T_1: tl.constexpr = T_C + (VD + BN_Z - 1) // BN_Z
-    n_c = (T_C - pid + G - 1) // G                      # my core tiles: pid, pid + G, ...
-    n_all = (T_1 - pid + G - 1) // G
-    n_z = n_all - n_c                                   # then my z tiles
-    offs_k = tl.arange(0, DKP)
-    offs_v0 = tl.arange(0, BV)
-    offs_h = tl.arange(0, HP)
-    # my first state tile (mine since the previous chain) and my first z rows, before anything
-    s_ptrs, s_mask = _state_tile(rec_l, pid, offs_k, offs_v0, DK, DV, HV, BV)
-    # (a task that does not exist: its bound is 0, every lane masked off)
-    S_c = tl.load(s_ptrs, mask=s_mask & (offs_v0[None, :] < tl.where(pid < T_C, BV, 0)),
-                  other=0.0)
-    zrows = (pid + n_c * G - T_C) * BN_Z + tl.arange(0, BN_Z)
-    zok = zrows < tl.where(n_z > 0, VD, 0)
-    wz_c = rows_load(wz_l, zrows, zok, offs_h, H, HP)
-    for j in range(n_z):
-        nz = zrows + G * BN_Z
-        nzok = nz < VD
-        wz_n = rows_load(wz_l, nz, nzok, offs_h, H, HP)
-        y = tl.sum(wz_c.to(tl.float32) * x[None, :], axis=1)
-        tl.store(z_ptr + zrows, y.to(z_ptr.dtype.element_ty), mask=zok)
-        zrows, zok, wz_c = nz, nzok, wz_n
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
-             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
-    for j in range(n_c):
-        c = pid + j * G
-        n_ptrs, n_mask = _state_tile(rec_l, c + G, offs_k, offs_v0, DK, DV, HV, BV)
-        S_n = tl.load(n_ptrs, mask=n_mask & (offs_v0[None, :] < tl.where(c + G < T_C, BV, 0)),
-                      other=0.0)
-        _core_tile(S_c, c, proj_ptr, o_ptr, rec_l, alog_l, dtb_l, q_scale, offs_k, offs_v0,
-                   HK, HV, DK, DV, BV)
-        S_c = S_n
-    _op_done(cnt_ptr, q, n_all, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
-
-
-@triton.jit
-def _out_proj(h_ptr, z_ptr, o_ptr, w_l, gnw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
-              q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
-              H: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
-              T_PREV: tl.constexpr, SPIN: tl.constexpr, PERSIST: tl.constexpr,
-              STALL: tl.constexpr, STAMP: tl.constexpr, PDL: tl.constexpr):
-    """Operator 2: h[rows] += W_out[rows] @ round(w_g * round(o_j * rsqrt(mean(o_j^2) + eps))
-    * silu(z_j)) per value head j (Hv and dv powers of two: the input is one [Hv, dv] tile)."""
-    VD: tl.constexpr = HV * DV
-    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
-    offs = tl.arange(0, VD)
-    dd = tl.arange(0, DV)
-    # before the wait: my first tile, the norm weight, my residual rows (last written by the
-    # previous layer's down, complete before this layer's in_proj started)
-    w_c = rows_load(w_l, rows, ok, offs, VD, VD)
-    r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    gw = tl.load(gnw_l + dd).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
-             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
-    off2 = tl.arange(0, HV)[:, None] * DV + dd[None, :]
-    o2 = tl.load(o_ptr + off2, cache_modifier=".cg")
-    zf = tl.load(z_ptr + off2, cache_modifier=".cg").to(tl.float32)
-    act = o2.dtype
-    of = o2.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
-    n = (of * inv[:, None]).to(act).to(tl.float32)
-    x = tl.reshape((gw[None, :] * n * (zf * tl.sigmoid(zf))).to(act).to(tl.float32), (VD,))
-    for i in range(n_mine):
-        nrows = rows + G * BN
-        nok = nrows < H
-        w_n = rows_load(w_l, nrows, nok, offs, VD, VD)
-        r_n = tl.load(h_ptr + nrows, mask=nok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y = tl.sum(w_c.to(tl.float32) * x[None, :], axis=1) + r_c
-        tl.store(h_ptr + rows, y.to(h_ptr.dtype.element_ty), mask=ok)
-        rows, ok, w_c, r_c = nrows, nok, w_n, r_n
-    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
-
-
-@triton.jit
-def _gate_up(h_ptr, act_ptr, w_l, nw_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
-             q, base, pid, G, eps, stall_op, stall_ns, timeout_ns, n_stamp,
-             H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, T_PREV: tl.constexpr,
-             SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
-             STAMP: tl.constexpr, PDL: tl.constexpr):
-    """Operator 3: act[rows] = round(silu(Wg[rows] x) * (Wu[rows] x)), x = the post norm of h."""
-    HP: tl.constexpr = triton.next_power_of_2(H)
-    n_mine, rows, ok = _my_tasks(pid, G, I, BN)
-    offs = tl.arange(0, HP)
-    wg_c = rows_load(w_l, rows, ok, offs, H, HP)
-    wu_c = rows_load(w_l + I * H, rows, ok, offs, H, HP)
-    nw = tl.load(nw_l + offs, mask=offs < H, other=0.0).to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
-             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
-    x = _rms_x(h_ptr, nw, offs, eps, H)
-    for i in range(n_mine):
-        nrows = rows + G * BN
-        nok = nrows < I
-        wg_n = rows_load(w_l, nrows, nok, offs, H, HP)
-        wu_n = rows_load(w_l + I * H, nrows, nok, offs, H, HP)
-        g = tl.sum(wg_c.to(tl.float32) * x[None, :], axis=1)
-        u = tl.sum(wu_c.to(tl.float32) * x[None, :], axis=1)
-        tl.store(act_ptr + rows, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty), mask=ok)
-        rows, ok, wg_c, wu_c = nrows, nok, wg_n, wu_n
-    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
-
-
-@triton.jit
-def _down(h_ptr, act_ptr, w_l, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr,
-          q, base, pid, G, stall_op, stall_ns, timeout_ns, n_stamp,
-          H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, T_PREV: tl.constexpr,
-          SPIN: tl.constexpr, PERSIST: tl.constexpr, STALL: tl.constexpr,
-          STAMP: tl.constexpr, PDL: tl.constexpr):
-    """Operator 4: h[rows] += Wd[rows] @ act (residual rows read before the wait: the out_proj
-    that wrote them is complete once the gate|up started)."""
-    IP: tl.constexpr = triton.next_power_of_2(I)
-    n_mine, rows, ok = _my_tasks(pid, G, H, BN)
-    offs = tl.arange(0, IP)
-    w_c = rows_load(w_l, rows, ok, offs, I, IP)
-    r_c = tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    _op_wait(cnt_ptr, q, base * T_PREV, err_ptr, timeout_ns, stall_op, pid, stall_ns,
-             stall_rec_ptr, SPIN, PERSIST, PDL, STALL)
-    av = tl.load(act_ptr + offs, mask=offs < I, other=0.0, cache_modifier=".cg").to(tl.float32)
-    for i in range(n_mine):
-        nrows = rows + G * BN
-        nok = nrows < H
-        w_n = rows_load(w_l, nrows, nok, offs, I, IP)
-        r_n = tl.load(h_ptr + nrows, mask=nok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y = tl.sum(w_c.to(tl.float32) * av[None, :], axis=1) + r_c
-        tl.store(h_ptr + rows, y.to(h_ptr.dtype.element_ty), mask=ok)
-        rows, ok, w_c, r_c = nrows, nok, w_n, r_n
-    _op_done(cnt_ptr, q, n_mine, stamp_ptr, pid, n_stamp, PERSIST, STAMP)
-
-
-# ------------------------------------------------------------------------------------------
-# the chain kernel: persistent (PHASE -1) or one operator per launch (PHASE 0..4)
+# the chain kernel: persistent (PHASE -1) or one operator per launch (PHASE 0..4), over the
+# engine's persistent-step operators (kernels/persistent_step.py)
 # ------------------------------------------------------------------------------------------
 
 # no value specialisation of the runtime scalars: one binary for every grid, weight set, layer
@@ -404,28 +120,22 @@ def _gdn_chain_kernel(h_ptr, proj_ptr, z_ptr, o_ptr, act_ptr,
                       PHASE: tl.constexpr, SPIN: tl.constexpr, STALL: tl.constexpr,
                       STAMP: tl.constexpr, PDL: tl.constexpr):
     # Weights and states are stacked per layer ([n_layers_total, ...]); this chain runs layers
-    # layer0 .. layer0 + n_layers - 1. Operator q = 5 l + k (k: OPS) of layer l; counter cnt[q]
-    # grows by T_k (operator k's tasks) per chain, and operator q waits for
-    # cnt[q - 1] >= chain number x T_(k-1). Activations: h [H] (residual stream, in place),
-    # proj [qkv conv out | b | a], z [Hv dv], o [Hv dv], act [I].
+    # layer0 .. layer0 + n_layers - 1. Operator q = 5 l + k (k: OPS) of layer l; every program
+    # adds 1 to counter cnt[q] per chain when done with it, and operator q waits for
+    # cnt[q - 1] >= chain number x G (the chain's first operator waits for nothing).
+    # Activations: h [H] (residual stream, in place), proj [qkv conv out | b | a], z [Hv dv],
+    # o [Hv dv], act [I]. Row-only tasks (K-split 1) for the out_proj and the down.
     pid = tl.program_id(0)
     PERSIST: tl.constexpr = PHASE == -1
     KEY_DIM: tl.constexpr = HK * DK
     CONV_DIM: tl.constexpr = 2 * KEY_DIM + HV * DV
     N_IN: tl.constexpr = CONV_DIM + 2 * HV
     VD: tl.constexpr = HV * DV
-    T_IN: tl.constexpr = (N_IN + BN_IN - 1) // BN_IN
-    T_1: tl.constexpr = HV * ((DV + BV - 1) // BV) + (VD + BN_Z - 1) // BN_Z
-    T_O: tl.constexpr = (H + BN_O - 1) // BN_O
-    T_GU: tl.constexpr = (I + BN_GU - 1) // BN_GU
-    T_D: tl.constexpr = (H + BN_D - 1) // BN_D
     HP: tl.constexpr = triton.next_power_of_2(H)
     if PERSIST:
         l_lo = 0
         l_hi = n_layers
         base = tl.load(epoch_ptr + pid) + 1               # this chain's counter multiple
-        if STAMP:
-            tl.store(stamp_ptr + pid * n_stamp, globaltimer())
     else:
         l_lo = phase_layer
         l_hi = phase_layer + 1
@@ -434,11 +144,11 @@ def _gdn_chain_kernel(h_ptr, proj_ptr, z_ptr, o_ptr, act_ptr,
         L = (layer0 + l).to(tl.int64)
         q0 = N_OPS_K * l
         if PERSIST or PHASE == 0:
-            x = _in_proj(h_ptr, proj_ptr, w_in_ptr + L * ((N_IN + VD) * H), in_nw_ptr + L * H,
-                         conv_w_ptr + L * (CONV_DIM * KW), conv_ptr + L * (CONV_DIM * (KW - 1)),
-                         cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0, base, pid, G, eps,
-                         stall_op, stall_ns, timeout_ns, n_stamp, H, N_IN, CONV_DIM, KW, BN_IN,
-                         T_D, SPIN, PERSIST, STALL, STAMP, PDL)
+            x = PS._gdn_in_proj(h_ptr, proj_ptr, w_in_ptr + L * ((N_IN + VD) * H), in_nw_ptr + L * H,
+                                conv_w_ptr + L * (CONV_DIM * KW), conv_ptr + L * (CONV_DIM * (KW - 1)),
+                                eps, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0, base, pid, G,
+                                stall_op, stall_ns, timeout_ns, n_stamp, H, N_IN, CONV_DIM, KW,
+                                BN_IN, SPIN, PERSIST, STALL, STAMP, PDL)
         if PERSIST or PHASE == 1:
             if PHASE == 1:
                 # its own launch: the normed layer input again (h is final: its writer is two
@@ -446,29 +156,29 @@ def _gdn_chain_kernel(h_ptr, proj_ptr, z_ptr, o_ptr, act_ptr,
                 offs_h = tl.arange(0, HP)
                 nw = tl.load(in_nw_ptr + L * H + offs_h, mask=offs_h < H,
                              other=0.0).to(tl.float32)
-                x = _rms_x(h_ptr, nw, offs_h, eps, H)
-            _core_z(x, proj_ptr, z_ptr, o_ptr, w_in_ptr + L * ((N_IN + VD) * H) + N_IN * H,
-                    rec_ptr + L * (HV * DK * DV), alog_ptr + L * HV, dtb_ptr + L * HV,
-                    cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 1, base, pid, G, q_scale,
-                    stall_op, stall_ns, timeout_ns, n_stamp, H, HK, HV, DK, DV, BV, BN_Z, T_IN,
-                    SPIN, PERSIST, STALL, STAMP, PDL)
+                x = PS._rms_x(h_ptr, nw, offs_h, eps, H)
+            PS._gdn_core_z(x, proj_ptr, z_ptr, o_ptr, w_in_ptr + L * ((N_IN + VD) * H) + N_IN * H,
+                           rec_ptr + L * (HV * DK * DV), alog_ptr + L * HV, dtb_ptr + L * HV,
+                           q_scale, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 1, base, pid,
+                           G, stall_op, stall_ns, timeout_ns, n_stamp, H, HK, HV, DK, DV, BV, BN_Z,
+                           SPIN, PERSIST, STALL, STAMP, PDL)
         if PERSIST or PHASE == 2:
-            _out_proj(h_ptr, z_ptr, o_ptr, w_out_ptr + L * (H * VD), g_nw_ptr + L * DV,
-                      cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 2, base, pid, G, eps,
-                      stall_op, stall_ns, timeout_ns, n_stamp, H, HV, DV, BN_O, T_1, SPIN,
-                      PERSIST, STALL, STAMP, PDL)
+            PS._narrow(o_ptr, z_ptr, g_nw_ptr + L * DV, w_out_ptr + L * (H * VD), h_ptr, h_ptr,
+                       cnt_ptr, eps, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 2, base, pid,
+                       G, stall_op, stall_ns, timeout_ns, n_stamp, H, VD, True, HV, DV, BN_O, 1,
+                       SPIN, PERSIST, STALL, STAMP, PDL)
         if PERSIST or PHASE == 3:
-            _gate_up(h_ptr, act_ptr, w_gu_ptr + L * (2 * I * H), post_nw_ptr + L * H,
-                     cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 3, base, pid, G, eps,
-                     stall_op, stall_ns, timeout_ns, n_stamp, H, I, BN_GU, T_O, SPIN, PERSIST,
-                     STALL, STAMP, PDL)
+            PS._rms_gemv(h_ptr, act_ptr, w_gu_ptr + L * (2 * I * H), post_nw_ptr + L * H, eps,
+                         cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 3, base, pid, G,
+                         stall_op, stall_ns, timeout_ns, n_stamp, I, H, BN_GU, True, SPIN,
+                         PERSIST, STALL, STAMP, PDL)
         if PERSIST or PHASE == 4:
-            _down(h_ptr, act_ptr, w_d_ptr + L * (H * I), cnt_ptr, err_ptr, stamp_ptr,
-                  stall_rec_ptr, q0 + 4, base, pid, G, stall_op, stall_ns, timeout_ns, n_stamp,
-                  H, I, BN_D, T_GU, SPIN, PERSIST, STALL, STAMP, PDL)
+            PS._narrow(act_ptr, act_ptr, act_ptr, w_d_ptr + L * (H * I), h_ptr, h_ptr, cnt_ptr,
+                       eps, cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q0 + 4, base, pid, G,
+                       stall_op, stall_ns, timeout_ns, n_stamp, H, I, False, 1, 1, BN_D, 1, SPIN,
+                       PERSIST, STALL, STAMP, PDL)
     if PERSIST:
         tl.store(epoch_ptr + pid, base)
-
 
 
 # ------------------------------------------------------------------------------------------
@@ -703,7 +413,7 @@ class Runner:
         else:
             self.G = args.cpu_programs
         n_ops = N_OPS * self.nl
-        self.n_stamp = n_ops + 1
+        self.n_stamp = 2 * n_ops                # each operator's start and end, per program
         self.cnt = torch.zeros(n_ops + 1, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -812,11 +522,11 @@ class Runner:
 
     def op_times_us(self):
         """Per operator of the last persistent chain: when its last task ended minus when the
-        previous operator's last task ended (the first: minus the earliest program start), us,
-        from the programs' %globaltimer stamps."""
-        st = self.stamps.double()
-        ends = st[:, 1:].max(dim=0).values
-        prev = torch.cat([st[:, :1].min(dim=0).values, ends[:-1]])
+        previous operator's last task ended (the first: minus its earliest start), us, from the
+        programs' %globaltimer stamps."""
+        st = self.stamps.double().view(self.G, -1, 2)
+        ends = st[:, :, 1].max(dim=0).values
+        prev = torch.cat([st[:, :1, 0].min(dim=0).values, ends[:-1]])
         return [float(x) / 1e3 for x in (ends - prev).tolist()]
 
 

@@ -24,7 +24,7 @@ class UsageError(TritonChatError):
 
 def _add_engine_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
     """The engine's options as flags, one per field of EngineOptions (engine/options.py)."""
-    from .options import EngineOptions, fields_by_name, switch_fields
+    from .options import EngineOptions, choice_fields, fields_by_name, switch_fields
     f = fields_by_name()
     p.add_argument("--backend", choices=f["backend"].metadata["choices"], default="triton" if bench else None,
                    help=f["backend"].metadata["help"] + ("" if bench else " (default: triton on CUDA, else reference)"))
@@ -33,6 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
                    help=f["dtype"].metadata["help"] + ("" if bench else " (default: bfloat16 on CUDA, float32 on CPU)"))
     p.add_argument("--context", type=int, default=None,
                    help=f"{f['max_context'].metadata['help']} (default {EngineOptions.max_context})")
+    for c in choice_fields():
+        p.add_argument("--" + c.name.replace("_", "-"), choices=c.metadata["choices"], default=None,
+                       help=f"{c.metadata['help']} (default {c.default})")
     for sw in switch_fields():
         measured = sw.metadata["measured"]
         p.add_argument("--" + sw.name.replace("_", "-"), choices=["on", "off"], default=None,
@@ -42,9 +45,11 @@ def _add_engine_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
 
 def engine_options(args, context_default: int = 32768):
     """EngineOptions from the flags of _add_engine_args, validated."""
-    from .options import default_options, switch_fields
+    from .options import choice_fields, default_options, switch_fields
     switches = {sw.name: getattr(args, sw.name) == "on" for sw in switch_fields()
                 if getattr(args, sw.name) is not None}
+    switches.update({c.name: getattr(args, c.name) for c in choice_fields()
+                     if getattr(args, c.name) is not None})
     ctx = args.context if args.context is not None else context_default
     return default_options(device=args.device, backend=args.backend, dtype=args.dtype, max_context=ctx,
                            **switches)

@@ -4,7 +4,10 @@ Every switch that changes what the engine launches is a field of `EngineOptions`
 one-line help, its label in the settings dialog and its key in the stats line in the field's
 metadata. The CLI flags (engine/cli.py), the settings dialog (app/settings_dialog.py), the bench
 (engine/bench.py) and the stats line (`stats_fields`) are generated from these fields, so adding
-a switch here is the whole of its plumbing outside the code that obeys it.
+a switch here is the whole of its plumbing outside the code that obeys it. A setting of named
+values (`decode_mode`) is a `_choice` field with the same metadata and its `choices`: the CLI
+flag comes from it (`choice_fields`); the settings dialog, the bench and the stats line list
+only the boolean switches so far.
 
 No torch and no Qt here: the app imports this module before it has a GPU.
 """
@@ -40,6 +43,13 @@ SCOPE_REASON = {
 DEFAULT_CONTEXT = 32768       # tokens; a model with fewer positions gets its own limit
 
 
+def _choice(default: str, choices: tuple, help: str, label: str, stats: str, scope: str) -> Any:
+    """An engine setting of a few named values (a CLI flag with choices); like a switch it
+    changes what the engine launches, not the model."""
+    return field(default=default, metadata=dict(help=help, choices=choices, label=label, stats=stats,
+                                                scope=scope, choice=True))
+
+
 def _switch(default: bool, help: str, label: str, stats: str, scope: str, measured: str = "") -> Any:
     """A boolean engine switch, changeable while a model is loaded (no reload)."""
     return field(default=default, metadata=dict(help=help, label=label, stats=stats, scope=scope,
@@ -60,6 +70,12 @@ class EngineOptions:
     max_context: int = field(default=DEFAULT_CONTEXT, metadata=dict(
         help="context length in tokens (prompt + answer)"))
 
+    decode_mode: str = _choice(
+        "per_op", ("per_op", "persistent"),
+        "the decode step as one kernel launch per operator (per_op) or as ONE persistent kernel whose "
+        "programs stream the next operators' weights while they wait (persistent; on the CPU its "
+        "one-launch-per-operator form)",
+        "Decode step", "decode", SCOPE_TRITON)
     split_k: bool = _switch(
         True, "split the long K dimension of narrow GEMVs over several programs, so every SM streams "
               "weights (when the tuned plan splits no shape on this GPU, on and off run the same step)",
@@ -109,6 +125,10 @@ class EngineOptions:
         for f in switch_fields():
             if not isinstance(getattr(self, f.name), bool):
                 raise OptionError(f"The option {f.name} must be on or off.")
+        for f in choice_fields():
+            if getattr(self, f.name) not in f.metadata["choices"]:
+                raise OptionError(f"Unknown {f.name.replace('_', ' ')} '{getattr(self, f.name)}'; use "
+                                  f"{' or '.join(f.metadata['choices'])}.")
         return self
 
     def check_context(self, model_max: int) -> None:
@@ -151,6 +171,11 @@ def _is_cuda_index(device: str) -> bool:
 def switch_fields() -> list:
     """The boolean switches, in the order the settings dialog and the CLI list them."""
     return [f for f in fields(EngineOptions) if f.metadata.get("switch")]
+
+
+def choice_fields() -> list:
+    """The engine settings of named values (decode_mode), in declaration order."""
+    return [f for f in fields(EngineOptions) if f.metadata.get("choice")]
 
 
 def check_switches(switches: dict) -> dict:

@@ -186,14 +186,33 @@ class TritonBackend(Backend):
 
     def _build_step(self) -> None:
         """The decode step for the current options, plans and buffers (its constructor plans
-        every launch); the graphs and recorded launches of the previous one are dropped."""
-        self.decode_step = DecodeStep(self.cfg, self.layers, self.embed, self.lm_head_w, self.final_norm, self.io,
-                               self.state, max_context=self.options.max_context, valid_vocab=self.valid_vocab,
-                               split_k=self.options.split_k, context_ranges=self.options.context_ranges,
-                               pdl=self._pdl, sm_count=self._sms, launcher=self.launcher,
-                               plan_overrides=self.plan_overrides)
+        every launch); the graphs and recorded launches of the previous one are dropped. In
+        persistent mode (options.decode_mode) the one-kernel step, unless it cannot run here:
+        then the per-operator step, said once, and the option reads per_op."""
+        self.decode_step = None
+        if self.options.decode_mode == "persistent":
+            from .persistent_step import PersistentStep, PersistentUnavailable
+            try:
+                self.decode_step = PersistentStep(
+                    self.cfg, self.layers, self.embed, self.lm_head_w, self.final_norm, self.io, self.state,
+                    max_context=self.options.max_context, valid_vocab=self.valid_vocab,
+                    split_k=self.options.split_k, sm_count=self._sms, launcher=self.launcher,
+                    plan_overrides=self.plan_overrides.get("persistent"))
+            except PersistentUnavailable as e:
+                self.decode_mode_error = f"The persistent decode step cannot run here: {e}; decoding per operator."
+                print(f"tritonchat: {self.decode_mode_error}", file=sys.stderr)
+                self.options.decode_mode = "per_op"
+        if self.decode_step is None:
+            self.decode_step = DecodeStep(self.cfg, self.layers, self.embed, self.lm_head_w, self.final_norm,
+                                          self.io, self.state, max_context=self.options.max_context,
+                                          valid_vocab=self.valid_vocab, split_k=self.options.split_k,
+                                          context_ranges=self.options.context_ranges, pdl=self._pdl,
+                                          sm_count=self._sms, launcher=self.launcher,
+                                          plan_overrides=self.plan_overrides)
         self.decode_step.set_sampler(*self._sampler)
         self._invalidate_graph()
+
+    decode_mode_error: Optional[str] = None      # why persistent mode fell back, once it did
 
     def set_plans(self, overrides: dict) -> None:
         """Replace launch plans by key (decode_step.gemv_key(...), or "lm_head"); {} = the
@@ -677,7 +696,14 @@ class TritonBackend(Backend):
         self._replays = {}
         self._eager_ran = set()
 
-    def configure(self, **switches: bool) -> None:
+    def configure(self, decode_mode: Optional[str] = None, **switches: bool) -> None:
+        if decode_mode is not None and decode_mode != self.options.decode_mode:
+            from dataclasses import replace
+            replace(self.options, decode_mode=decode_mode).validate()
+            self.options.decode_mode = decode_mode
+            self.decode_mode_error = None
+            self._split_k_splits = None
+            self._build_step()
         sw = check_switches(switches)
         split_k, graph, timing = sw.get("split_k"), sw.get("graph"), sw.get("timing")
         l2_state, context_ranges, launch_cache = sw.get("l2_state"), sw.get("context_ranges"), sw.get("launch_cache")

@@ -82,11 +82,9 @@ def test_persistent_one_program_matches_reference():
         chain.reset()
         r.run(s)
         _check(chain, s, TOL[torch.float32])
-    sh = args.shape
-    tasks = [P.cdiv(sh.n_in, 8), sh.v_heads * P.cdiv(sh.dv, 8) + P.cdiv(sh.vd, 8),
-             P.cdiv(sh.hidden, 8), P.cdiv(sh.inter, 8), P.cdiv(sh.hidden, 4)]
+    # every program counts once per operator per chain: 3 chains of one program
     assert r.epoch.tolist() == [3]
-    assert r.cnt.tolist() == [3 * t for t in tasks] * 2 + [0]
+    assert r.cnt.tolist() == [3] * (P.N_OPS * 2) + [0]
     assert int(r.err.item()) == 0
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from tritonchat.engine.options import (EngineOptions, OptionError, SamplingParams, check_max_new_tokens,
-                                       check_switches, stats_fields, switch_fields)
+                                       check_switches, choice_fields, stats_fields, switch_fields)
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -35,7 +35,7 @@ def test_max_new_tokens_must_be_at_least_one(n):
 @pytest.mark.parametrize("kw,words", [
     (dict(backend="tpu"), "backend"), (dict(device="gpu"), "device"), (dict(device="cuda:x"), "device"),
     (dict(dtype="int8"), "dtype"), (dict(max_context=1), "at least 2"), (dict(max_context=2.5), "whole"),
-    (dict(graph="yes"), "on or off"),
+    (dict(graph="yes"), "on or off"), (dict(decode_mode="megakernel"), "decode mode 'megakernel'"),
 ])
 def test_bad_engine_options_are_one_sentence(kw, words):
     with pytest.raises(OptionError, match=words):
@@ -55,6 +55,19 @@ def test_every_switch_documents_itself():
         m = f.metadata
         assert m["help"] and m["label"] and m["stats"] and m["scope"], f.name
         assert isinstance(f.default, bool)
+
+
+def test_every_choice_documents_itself():
+    """The named-value settings (decode_mode): help, label, stats key, scope and choices, the
+    default among them, a round trip through the options' dict."""
+    names = [f.name for f in choice_fields()]
+    assert "decode_mode" in names and EngineOptions().decode_mode == "per_op"
+    for f in choice_fields():
+        m = f.metadata
+        assert m["help"] and m["label"] and m["stats"] and m["scope"], f.name
+        assert f.default in m["choices"] and not m.get("switch")
+    o = EngineOptions(decode_mode="persistent").validate()
+    assert EngineOptions.from_dict(o.to_dict()).decode_mode == "persistent"
 
 
 def test_switches_outside_their_scope_read_off():
