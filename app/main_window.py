@@ -103,6 +103,7 @@ class MainWindow(QMainWindow):
         w.failed.connect(self._on_failed)
         w.configured.connect(self._on_configured)
         w.configureFailed.connect(self._on_configure_failed)
+        w.fellBackMode.connect(self._on_mode_fell_back)
         w.timings.connect(self._on_timings)
         w.tokenCount.connect(self._on_token_count)
 
@@ -335,7 +336,7 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("Loading the model\u2026")
         self.load_bar.setValue(0)
         self.load_bar.show()
-        self._engine_wanted = {"max_context": self.settings.context_length, **self.settings.engine}
+        self._engine_wanted = {"max_context": self.settings.context_length, **self.settings.engine_settings()}
         settings = dict(self.engine_overrides)
         settings.update(self._engine_wanted, timing=self.timing.isVisible())
         self.engine.load(model_dir, settings)
@@ -368,11 +369,15 @@ class MainWindow(QMainWindow):
         self.chat.welcome.set_model_text(self._welcome_text())
         from tritonchat.engine.tiny_model import is_tiny_model
 
+        warnings = []
         if self.model_dir and is_tiny_model(self.model_dir):
-            self.show_banner(TINY_BANNER + ("" if self.capabilities.get("cuda") else " " + CPU_BANNER),
-                             self.capabilities.get("reason", ""), warning=True)
+            warnings.append(TINY_BANNER + ("" if self.capabilities.get("cuda") else " " + CPU_BANNER))
         elif not self.capabilities.get("cuda", False):
-            self.show_banner(CPU_BANNER, self.capabilities.get("reason", ""), warning=True)
+            warnings.append(CPU_BANNER)
+        if self.capabilities.get("decode_mode_error"):     # persistent decode fell back at load
+            warnings.append(self.capabilities["decode_mode_error"])
+        if warnings:
+            self.show_banner(" ".join(warnings), self.capabilities.get("reason", ""), warning=True)
         self._request_token_count()
         if self.timing.isVisible():
             self._on_timing_toggled(True)
@@ -542,10 +547,20 @@ class MainWindow(QMainWindow):
             return
         show_error(self, sentence, details)
 
+    def _on_mode_fell_back(self, sentence: str) -> None:
+        """The decode mode asked for could not run (persistent: the GPU cannot hold its grid):
+        the engine's sentence in the banner; the settings show the mode that runs."""
+        if self._closing:        # reports still queued when the window closed
+            return
+        self.capabilities["decode_mode_error"] = sentence
+        self.show_banner(sentence, warning=True)
+
     def _on_configured(self, options: dict) -> None:
         if self._closing:        # reports still queued when the window closed
             return
         self.engine_options = dict(options)
+        if options.get("decode_mode") == self._engine_wanted.get("decode_mode"):
+            self.capabilities.pop("decode_mode_error", None)    # the mode asked for runs
         self.max_context = int(options.get("max_context") or self.max_context)
         self._update_engine_label()
         self._request_token_count()
@@ -613,7 +628,7 @@ class MainWindow(QMainWindow):
     # ================================================================== settings
     def open_settings(self) -> None:
         dialog = SettingsDialog(self.settings, self.model_defaults, self.capabilities,
-                                parent=self)
+                                parent=self, running=self.engine_options)
         if dialog.exec() == SettingsDialog.DialogCode.Accepted:
             self.apply_settings(dialog.settings())
         dialog.deleteLater()
@@ -625,7 +640,7 @@ class MainWindow(QMainWindow):
         switch_model = new.model != old_model and self.gen is None
         # compare with what the engine was last asked for (the reference backend keeps its
         # split-K / graph flags unchanged, so its options cannot tell what was sent)
-        wanted = {**new.engine, "max_context": new.context_length}
+        wanted = {**new.engine_settings(), "max_context": new.context_length}
         changes = {k: v for k, v in wanted.items() if self._engine_wanted.get(k) != v}
         if changes and self.loaded and not switch_model:
             self.engine.configure(**changes)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QSettings
 
-from tritonchat.engine.options import EngineOptions, OptionError, SamplingParams, switch_fields
+from tritonchat.engine.options import (EngineOptions, OptionError, SamplingParams, choice_fields,
+                                       switch_fields)
 
 log = logging.getLogger("tritonchat.settings")
 
@@ -40,6 +41,16 @@ def default_switches() -> dict[str, bool]:
     return {f.name: bool(f.default) for f in engine_switch_fields()}
 
 
+def engine_choice_fields() -> list:
+    """The EngineOptions settings of named values (decode_mode) the settings keep and the
+    dialog shows as drop-downs."""
+    return choice_fields()
+
+
+def default_choices() -> dict[str, str]:
+    return {f.name: str(f.default) for f in engine_choice_fields()}
+
+
 @dataclass
 class ChatSettings:
     system_prompt: str = ""
@@ -50,6 +61,8 @@ class ChatSettings:
     thinking: bool = False              # Qwen3.5-0.8B answers without thinking by default
     # the engine switches by EngineOptions field name (options.switch_fields), timing excluded
     engine: dict[str, bool] = field(default_factory=default_switches)
+    # the engine's named-value settings by field name (options.choice_fields: decode_mode)
+    engine_choices: dict[str, str] = field(default_factory=default_choices)
     theme: str = "system"
     model: str = ""                     # "" = the default hub model, else a model folder
     recent_models: list[str] = field(default_factory=list)    # folders used before, newest first
@@ -60,6 +73,14 @@ class ChatSettings:
 
     def switch(self, name: str) -> bool:
         return bool(self.engine.get(name, default_switches().get(name, False)))
+
+    def choice(self, name: str) -> str:
+        return str(self.engine_choices.get(name, default_choices()[name]))
+
+    def engine_settings(self) -> dict:
+        """Every engine switch and named-value setting by field name: what the engine is asked
+        for at load and by configure."""
+        return {**self.engine, **{f.name: self.choice(f.name) for f in engine_choice_fields()}}
 
 
 def open_settings(path: str | None = None) -> QSettings:
@@ -91,6 +112,21 @@ def _engine_switches(qs: QSettings) -> dict[str, bool]:
         new, old = f"engine/switches/{f.name}", f"engine/{f.name}"
         key = new if qs.contains(new) else old
         out[f.name] = _get(qs, key, bool(f.default), bool)
+    return out
+
+
+def _engine_choices(qs: QSettings) -> dict[str, str]:
+    """engine/choices/<field> for each named-value setting; a value the field does not offer
+    is dropped for its default with one logged sentence."""
+    out = {}
+    for f in engine_choice_fields():
+        key = f"engine/choices/{f.name}"
+        value = str(_get(qs, key, f.default, str))
+        if value not in f.metadata["choices"]:
+            log.warning("The settings file holds %s = %r, which is not one of %s; %r is used.",
+                        key, value, ", ".join(f.metadata["choices"]), f.default)
+            value = f.default
+        out[f.name] = value
     return out
 
 
@@ -155,6 +191,7 @@ def load_settings(qs: QSettings, model_defaults: SamplingParams | None = None) -
         context_length=max(256, _get(qs, "engine/context_length", DEFAULT_CONTEXT, int)),
         thinking=_get(qs, "generation/thinking", False, bool),
         engine=_engine_switches(qs),
+        engine_choices=_engine_choices(qs),
         theme=t if (t := _get(qs, "ui/theme", "system", str)) in ("system", "light", "dark") else "system",
         model=load_model_choice(qs),
         recent_models=_recent(qs),
@@ -177,6 +214,8 @@ def save_settings(qs: QSettings, s: ChatSettings, model_defaults: SamplingParams
     for f in engine_switch_fields():
         qs.setValue(f"engine/switches/{f.name}", bool(s.switch(f.name)))
         qs.remove(f"engine/{f.name}")             # the pre-dict key, migrated
+    for f in engine_choice_fields():
+        qs.setValue(f"engine/choices/{f.name}", s.choice(f.name))
     qs.setValue("ui/theme", s.theme)
     qs.setValue("model/path", s.model or "")
     recent = list(dict.fromkeys(([s.model] if s.model else []) + list(s.recent_models)))

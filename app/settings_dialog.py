@@ -2,9 +2,12 @@
 
 The dialog only edits a ChatSettings copy; the main window applies the result (engine switches
 through the worker's configure / set_max_context, without a restart). The engine tab is built
-from EngineOptions' switch fields (label, help, measured figure, scope): a switch that does not
-apply to the running engine is shown unchecked and greyed with the reason, and keeps the
-stored choice for an engine where it does.
+from EngineOptions' switch fields (label, help, measured figure, scope) and its named-value
+fields (decode_mode: a drop-down): a setting that does not apply to the running engine is shown
+off (a switch unchecked, a drop-down at its default) and greyed with the reason, and keeps the
+stored choice for an engine where it does. Where the engine runs another value than the one
+stored (persistent decode fell back: `decode_mode_error` in the capabilities), the drop-down
+shows the value running and the engine's sentence says why.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from tritonchat.engine.options import SCOPE_REASON, EngineOptions, OptionError, SamplingParams
 
-from .settings import CONTEXT_CHOICES, ChatSettings, engine_switch_fields
+from .settings import CONTEXT_CHOICES, ChatSettings, engine_choice_fields, engine_switch_fields
 
 DEFAULT_MODEL_LABEL = "Qwen/Qwen3.5-0.8B (downloaded from Hugging Face)"
 CHOOSE_FOLDER = "\x00choose"          # the picker's last item: opens a folder dialog
@@ -58,7 +61,9 @@ def _double(lo: float, hi: float, step: float, decimals: int, tip: str) -> QDoub
 class SettingsDialog(QDialog):
     def __init__(self, settings: ChatSettings, model_defaults: SamplingParams,
                  capabilities: dict | None = None, max_model_context: int | None = None,
-                 parent: QWidget | None = None):
+                 parent: QWidget | None = None, running: dict | None = None):
+        """running: the options the engine runs now (the worker's report), where they are known:
+        a drop-down shows the value running when the engine fell back from the stored one."""
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setMinimumWidth(480)
@@ -145,6 +150,23 @@ class SettingsDialog(QDialog):
         self._engine_kind = EngineOptions(
             backend=caps.get("backend") or ("triton" if caps.get("triton") else "reference"),
             device=caps.get("device") or ("cuda" if caps.get("triton") and caps.get("cuda") else "cpu"))
+        self._running = dict(running or {})
+        self.choices: dict[str, QComboBox] = {}
+        self._stored_choices: dict[str, str] = dict(settings.engine_choices)   # behind a greyed one
+        for ch in engine_choice_fields():
+            combo = QComboBox()
+            combo.setObjectName(f"choice_{ch.name}")
+            for value in ch.metadata["choices"]:
+                combo.addItem(value, value)
+            self.choices[ch.name] = combo
+            f.addRow(ch.metadata["label"], combo)
+            combo.activated.connect(lambda _i, name=ch.name: self._choice_activated(name))
+        self._fallback = str(caps.get("decode_mode_error") or "")    # the engine's sentence
+        self.decode_mode_note = QLabel(self._fallback)
+        self.decode_mode_note.setObjectName("MutedLabel")
+        self.decode_mode_note.setWordWrap(True)
+        self.decode_mode_note.setVisible(bool(self._fallback))
+        f.addRow("", self.decode_mode_note)
         self.switches: dict[str, QCheckBox] = {}
         self._stored: dict[str, bool] = dict(settings.engine)   # the choice behind a greyed box
         for sw in engine_switch_fields():
@@ -213,6 +235,7 @@ class SettingsDialog(QDialog):
         else:
             self.context_length.setEditText(str(int(s.context_length)))
         self._stored = dict(s.engine)
+        self._stored_choices = {f.name: s.choice(f.name) for f in engine_choice_fields()}
         for name, box in self.switches.items():
             box.setChecked(s.switch(name))
         self._update_scopes()
@@ -263,10 +286,43 @@ class SettingsDialog(QDialog):
         if name == "graph":
             self._update_scopes()
 
+    def _choice_activated(self, name: str) -> None:
+        """The user picked a value: it is the stored choice from now on (a fallback note about
+        the value the engine could not run no longer describes this choice)."""
+        self._stored_choices[name] = str(self.choices[name].currentData())
+        if name == "decode_mode":
+            self._fallback = ""
+            self.decode_mode_note.hide()
+        self._update_scopes()
+
+    def _shown_choice(self, f) -> str:
+        """The value a drop-down shows: the stored one, or the one running where the engine
+        fell back from it (the reason is in the tooltip and the note)."""
+        stored = self._stored_choices.get(f.name, f.default)
+        running = self._running.get(f.name)
+        if f.name == "decode_mode" and self._fallback and running in f.metadata["choices"]:
+            return running
+        return stored
+
     def _update_scopes(self) -> None:
-        """Grey out (unchecked, with the reason) each switch outside the engine's scope."""
+        """Grey out (unchecked or at its default, with the reason) each switch and drop-down
+        outside the engine's scope."""
         options = self._options_now()
         device = self._caps.get("device_name") or ""
+        for f in engine_choice_fields():
+            combo = self.choices[f.name]
+            applies = options.applies(f.name)
+            combo.blockSignals(True)
+            combo.setEnabled(applies)
+            combo.setCurrentIndex(max(0, combo.findData(self._shown_choice(f) if applies else f.default)))
+            combo.blockSignals(False)
+            if applies:
+                tip = switch_tooltip(f, device)
+                if f.name == "decode_mode" and self._fallback:
+                    tip += f" {self._fallback}"
+            else:
+                tip = f"Not applicable: {SCOPE_REASON[f.metadata['scope']]}."
+            combo.setToolTip(tip)
         for f in engine_switch_fields():
             box = self.switches[f.name]
             applies = options.applies(f.name)
@@ -340,6 +396,8 @@ class SettingsDialog(QDialog):
             context_length=self._context(),
             thinking=self.thinking.isChecked(),
             engine={f.name: bool(self._stored.get(f.name, f.default)) for f in engine_switch_fields()},
+            engine_choices={f.name: str(self._stored_choices.get(f.name, f.default))
+                            for f in engine_choice_fields()},
             theme=self.theme.currentData() or "system",
             model=model,
             recent_models=recent,

@@ -1,13 +1,15 @@
 """The words for a run's numbers: the stats line under an answer, its tooltip, the engine label.
 
 One place for all of them, Qt-free: the chat view, the Markdown export and the status bar read
-the same functions, so they cannot drift apart. The engine switches come from
-`tritonchat.engine.options.stats_fields`, which names only the switches that act on the engine
-the answer ran on: split-K and the CUDA graph are never claimed for the CPU reference engine.
+the same functions, so they cannot drift apart. The engine switches and named-value settings
+(the decode mode) come from `tritonchat.engine.options.stats_fields`, which names only those
+that act on the engine the answer ran on: split-K, the CUDA graph and the decode mode are never
+claimed for the CPU reference engine.
 """
 from __future__ import annotations
 
-from tritonchat.engine.options import EngineOptions, fields_by_name, stats_fields, switch_fields
+from tritonchat.engine.options import (EngineOptions, choice_fields, fields_by_name, stats_fields,
+                                       switch_fields)
 
 SEP = "  \u00b7  "
 STOP_REASONS = {"eos": "finished", "max_tokens": "max tokens", "context_full": "context full",
@@ -40,7 +42,8 @@ def _options(flat: dict) -> EngineOptions | None:
 
 
 def engine_flags(stats: dict | None) -> list[str]:
-    """["triton", "bf16", "split-K on", "graph off", ...]: the switches that applied, as recorded."""
+    """["triton", "bf16", "decode persistent", "split-K on", "graph off", ...]: the settings that
+    applied, as recorded (a row written before a setting existed does not claim it)."""
     if not stats:
         return []
     flat = _flat(stats)
@@ -51,9 +54,8 @@ def engine_flags(stats: dict | None) -> list[str]:
         out.append(DTYPES.get(flat["dtype"], str(flat["dtype"])))
     options = _options(flat)
     if options is not None:
-        recorded = {f.metadata["stats"] for f in switch_fields() if f.name in flat}
-        out += [f"{label} {'on' if on else 'off'}" for label, on in stats_fields(options)
-                if label in recorded]
+        recorded = {f.metadata["stats"] for f in switch_fields() + choice_fields() if f.name in flat}
+        out += [f"{label} {value}" for label, value in stats_fields(options) if label in recorded]
     return out
 
 
@@ -102,6 +104,9 @@ def stats_tooltip(stats: dict | None) -> str:
                 lines.append(f"{label}: {s[key]}")
     options = _options(s)
     if options is not None:
+        for f in choice_fields():
+            if f.name in s and options.applies(f.name):
+                lines.append(f"{f.metadata['label']}: {s[f.name]}")
         for f in switch_fields():
             if f.name in s and f.name != "timing" and options.applies(f.name):
                 lines.append(f"{f.metadata['label']}: {'on' if s[f.name] else 'off'}")

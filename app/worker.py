@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
-from tritonchat.engine.options import EngineOptions, SamplingParams, switch_fields
+from tritonchat.engine.options import EngineOptions, SamplingParams, choice_fields, switch_fields
 
 # (model_dir, options, progress) -> session with the ChatSession interface
 SessionLoader = Callable[[str, EngineOptions, Callable[[str, float], None]], Any]
@@ -73,6 +73,17 @@ def split_k_note(session) -> str:
     return ""
 
 
+def decode_mode_error(session) -> str:
+    """The engine's one sentence on why the persistent decode step fell back to per-operator
+    mode (the GPU cannot hold its grid co-resident): the backend's `decode_mode_error`; empty
+    while the asked-for mode runs."""
+    for obj in (session, getattr(session, "backend", None)):
+        note = getattr(obj, "decode_mode_error", None) if obj is not None else None
+        if isinstance(note, str) and note:
+            return note
+    return ""
+
+
 def _default_loader(model_dir: str, options: EngineOptions, progress) -> Any:
     from tritonchat.engine.session import ChatSession
 
@@ -98,6 +109,7 @@ class EngineWorker(QObject):
     failed = Signal(int, str, str, str)       # request id, sentence, details, kind
     configured = Signal(object)               # engine options after configure/set_max_context
     configureFailed = Signal(str, str)        # sentence, details
+    fellBackMode = Signal(str)                # sentence: a decode mode asked for fell back
     timings = Signal(object)                  # {"kernels", "roofline", "memory", "timing"}
     tokenCount = Signal(int, int, int)        # tag, prompt tokens, max context
     shutDown = Signal()
@@ -111,9 +123,10 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ load
     @Slot(str, object)
     def load(self, model_dir: str, settings: dict) -> None:
-        """settings: "max_context" and any switch of EngineOptions (options.switch_fields, e.g.
-        "split_k", "graph", "timing") from the app's preferences; backend/device/dtype come from
-        what the machine has (or settings' "backend"/"device"/"dtype")."""
+        """settings: "max_context", any switch of EngineOptions (options.switch_fields, e.g.
+        "split_k", "graph", "timing") and any named-value setting (options.choice_fields:
+        "decode_mode") from the app's preferences; backend/device/dtype come from what the
+        machine has (or settings' "backend"/"device"/"dtype")."""
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -121,9 +134,10 @@ class EngineWorker(QObject):
         try:
             options = default_options(**{k: settings[k] for k in ("backend", "device", "dtype")
                                          if settings.get(k)})
-            for key in ["max_context"] + [f.name for f in switch_fields()]:
+            for key in ["max_context"] + [f.name for f in switch_fields() + choice_fields()]:
                 if settings.get(key) is not None:
                     setattr(options, key, settings[key])
+            options.validate()
         except Exception as exc:   # engine import failed: same path as a failed load
             self.loadFailed.emit(*describe(exc), error_kind(exc))
             return
@@ -153,6 +167,7 @@ class EngineWorker(QObject):
         caps.setdefault("backend", s.options.backend)
         caps.setdefault("device", s.options.device)
         caps.setdefault("split_k_note", split_k_note(s))
+        caps.setdefault("decode_mode_error", decode_mode_error(s))
         return {"model_dir": model_dir, "options": s.options.to_dict(),
                 "capabilities": caps,
                 "generation_defaults": s.generation_defaults.to_dict()}
@@ -190,13 +205,25 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ switches
     @Slot(object)
     def configure(self, changes: dict) -> None:
-        """changes: any switch of EngineOptions (options.switch_fields, bool) and max_context (int)."""
+        """changes: any switch of EngineOptions (options.switch_fields, bool), any named-value
+        setting (options.choice_fields, str: sent only to an engine it applies to, as the
+        reference engine has none) and max_context (int). A decode mode that fell back is
+        reported (fellBackMode) with the engine's sentence; the options then read the mode
+        that runs."""
         if self.session is None:
             return
         try:
+            options = self.session.options
             switches = {f.name: changes[f.name] for f in switch_fields() if f.name in changes}
+            switches.update({f.name: str(changes[f.name]) for f in choice_fields()
+                             if f.name in changes and options.applies(f.name)})
             if switches:
                 self.session.configure(**switches)
+                asked = switches.get("decode_mode")
+                if asked is not None and self.session.options.decode_mode != asked:
+                    self.fellBackMode.emit(decode_mode_error(self.session)
+                                           or f"The {asked} decode step could not start; decoding "
+                                              f"{self.session.options.decode_mode}.")
             n = changes.get("max_context")
             if n and int(n) != self.session.options.max_context:
                 try:

@@ -5,7 +5,9 @@ move (all weights with the tied LM head read whole, the GDN recurrent states rea
 the KV cache up to the position), at the faster of two measured read rates (torch.sum, and our
 whole-row streaming read, ~8% faster on the H200); tok/s = bandwidth / bytes. Decode speed is
 measured through the same generation loop the app uses (one host read of each token), greedy
-with EOS ignored, and with --compare also with the model card's sampling.
+with EOS ignored, and with --compare also with the model card's sampling and in every other
+decode mode (options.decode_mode: the persistent step beside the per-operator one), whose greedy
+tokens are compared with the first configuration's.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .options import EngineOptions, SamplingParams
+from .options import EngineOptions, SamplingParams, fields_by_name
 from .errors import TritonChatError
 from .profile_step import prefill_flops
 
@@ -77,6 +79,48 @@ def decode_run(be, prompt: list[int], new_tokens: int, params: Optional[Sampling
         torch.cuda.synchronize()
         out["gpu_step_ms"] = (time.perf_counter() - t0) * 1e3 / 64
     gen.forget()
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """The index of the first token where two greedy runs part (a length counts), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def decode_mode_runs(be, prompt: list[int], new_tokens: int, roof_tok_s: float, ref_tokens: list[int],
+                     split_k: bool, graphs: tuple = (True, False)) -> list[dict]:
+    """The decode step in each decode mode other than the one running (options.decode_mode:
+    persistent beside per_op), with split-K as given and each graph setting of `graphs`: tok/s,
+    the fraction of the roofline, and whether its greedy tokens equal `ref_tokens` (the first
+    configuration's; where not, the first token that differs). A mode that cannot run here
+    (the backend fell back: decode_mode_error) is one entry with its sentence under "error";
+    the backend is left in the mode and configuration it came in."""
+    home, home_graph = be.options.decode_mode, be.options.graph
+    out = []
+    for mode in fields_by_name()["decode_mode"].metadata["choices"]:
+        if mode == home:
+            continue
+        be.configure(decode_mode=mode)
+        if be.options.decode_mode != mode:
+            out.append({"decode_mode": mode, "split_k": split_k,
+                        "error": be.decode_mode_error or f"the {mode} decode step did not start"})
+            be.configure(decode_mode=home)
+            continue
+        try:
+            for graph in graphs:
+                be.configure(split_k=split_k, graph=graph)
+                r = decode_run(be, prompt, new_tokens)
+                toks = r.pop("token_ids")
+                r.update(decode_mode=mode, split_k=split_k, graph=be.options.graph,
+                         fraction_of_roofline=r["decode_tok_s"] / roof_tok_s,
+                         tokens_equal_first_config=toks == ref_tokens,
+                         first_token_difference=first_difference(toks, ref_tokens))
+                out.append(r)
+        finally:
+            be.configure(decode_mode=home, graph=home_graph)
     return out
 
 
@@ -324,6 +368,9 @@ def run_bench(args, options: EngineOptions) -> int:
         report["context_range_bounds"] = be.context_range_bounds
         # "split-K: no shape splits on this GPU" where split-K on and off run the same step
         report["split_k_note"] = be.split_k_note
+    report["decode_mode"] = be.options.decode_mode
+    if getattr(be, "decode_mode_error", None):           # the mode asked for fell back at build
+        report["decode_mode_error"] = be.decode_mode_error
     runs = []
     ref_tokens = None
     for split_k, graph in configs:
@@ -345,6 +392,26 @@ def run_bench(args, options: EngineOptions) -> int:
     report["runs"] = runs
     report.update({k: runs[0][k] for k in ("decode_tok_s", "ms_per_token", "ttft_ms", "fraction_of_roofline")})
     be.configure(split_k=configs[0][0], graph=configs[0][1])
+    if args.compare and be.name == "triton":
+        # the other decode mode (issue #59: the persistent step), graph on and off
+        report["decode_mode_runs"] = decode_mode_runs(be, prompt, new_tokens, roof_tok_s, ref_tokens,
+                                                      split_k=configs[0][0])
+        for r in report["decode_mode_runs"]:
+            print(_decode_mode_line(r), file=sys.stderr)
+        ran = [r for r in report["decode_mode_runs"] if "error" not in r and r["graph"] == configs[0][1]]
+        report["decode_mode_speedup"] = {r["decode_mode"]: r["decode_tok_s"] / runs[0]["decode_tok_s"]
+                                         for r in ran}
+        if ran:
+            # per-operator time inside the other mode's step, from its timer stamps
+            home, mode = be.options.decode_mode, ran[0]["decode_mode"]
+            be.configure(decode_mode=mode)
+            try:
+                report["kernels_" + mode] = kernel_table(be, prompt)
+            except Exception as e:       # said in the report; the comparison above stands
+                report["kernels_" + mode + "_error"] = f"{type(e).__name__}: {e}"
+                print(f"{mode} step's operator table failed: {e}", file=sys.stderr)
+                be.configure(timing=False)
+            be.configure(decode_mode=home, split_k=configs[0][0], graph=configs[0][1])
     if args.compare and be.name == "triton" and configs[0][1]:
         # the first configuration again with the GDN states' L2 window switched (engine/l2_state.py)
         on = be.options.l2_state
@@ -464,6 +531,22 @@ def run_bench(args, options: EngineOptions) -> int:
     return 0
 
 
+def _decode_mode_line(r: dict) -> str:
+    if "error" in r:
+        return f"  decode {r['decode_mode']}: did not run: {r['error']}"
+    same = "equal" if r["tokens_equal_first_config"] else f"differ from token {r['first_token_difference']}"
+    return (f"  decode {r['decode_mode']} split-K {'on ' if r['split_k'] else 'off'} graph "
+            f"{'on ' if r['graph'] else 'off'}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} ms/token, "
+            f"{100 * r['fraction_of_roofline']:.1f}% of roofline, greedy tokens {same}")
+
+
+def _print_kernels(rows: list[dict], title: str = "kernel") -> None:
+    print(f"{title:28s} {'launches':>8s} {'us/token':>9s} {'share':>6s} {'GB/s':>7s}")
+    for k in rows:
+        print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
+              f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
+
+
 def _print_table(report: dict) -> None:
     r = report["roofline"]
     print(f"GPU: {report['gpu']}   backend {report['backend']} {report['dtype']}   weights: {report['weights']}")
@@ -472,17 +555,22 @@ def _print_table(report: dict) -> None:
     if r.get("hbm_read_methods_gb_s"):
         print("  read rates: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in r["hbm_read_methods_gb_s"].items())
               + " (the roofline takes the fastest)")
+    if report.get("decode_mode"):
+        print(f"decode step: {report['decode_mode']}" + (f" ({report['decode_mode_error']})"
+                                                         if report.get("decode_mode_error") else ""))
     for run in report["runs"]:
         print(f"  split-K {'on ' if run['split_k'] else 'off'} graph {'on ' if run['graph'] else 'off'}: "
               f"{run['decode_tok_s']:.1f} tok/s, {run['ms_per_token']:.3f} ms/token, "
               f"{100 * run['fraction_of_roofline']:.1f}% of roofline, TTFT {run['ttft_ms']:.1f} ms")
+    for run in report.get("decode_mode_runs", []):
+        print(_decode_mode_line(run))
     m = report["gpu_memory"]
     print(f"GPU memory: {m['allocated_gib']:.2f} GiB allocated, peak {m['peak_gib']:.2f} GiB")
     if report.get("kernels"):
-        print(f"{'kernel':28s} {'launches':>8s} {'us/token':>9s} {'share':>6s} {'GB/s':>7s}")
-        for k in report["kernels"]:
-            print(f"{k['name']:28s} {k['launches_per_token']:8.1f} {k['us_per_token']:9.1f} "
-                  f"{100 * k['share']:5.1f}% {k['gb_s']:7.0f}")
+        _print_kernels(report["kernels"])
+    for mode in fields_by_name()["decode_mode"].metadata["choices"]:
+        if report.get("kernels_" + mode):
+            _print_kernels(report["kernels_" + mode], f"operator ({mode} step)")
     for key in ("l2_state_switched", "context_ranges_switched", "launch_cache_switched", "sampled",
                 "long_context",
                 "long_context_ranges_off", "context_sweep", "prefill", "transformers"):
@@ -501,13 +589,19 @@ def write_plot(report: dict, path: str) -> None:
     if lc and lc.get("launch_cache") is False:
         labels.append(f"split-K {'on' if lc['split_k'] else 'off'}\ngraph off,\nno launch cache")
         vals.append(lc["decode_tok_s"])
+    modes = [r for r in report.get("decode_mode_runs", []) if "error" not in r]
+    for r in modes:
+        labels.append(f"{r['decode_mode']}\nsplit-K {'on' if r['split_k'] else 'off'}\n"
+                      f"graph {'on' if r['graph'] else 'off'}")
+        vals.append(r["decode_tok_s"])
     t = report.get("transformers") or {}
     if "decode_tok_s" in t:
         labels.append("transformers\neager")
         vals.append(t["decode_tok_s"])
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     colors = ["#3b7dd8", "#6aa0e8", "#e8a33b", "#d8703b"][: len(runs)]
-    colors += ["#b0643a"] * (len(vals) - len(runs) - (1 if "decode_tok_s" in t else 0))
+    colors += ["#b0643a"] * (len(vals) - len(runs) - len(modes) - (1 if "decode_tok_s" in t else 0))
+    colors += ["#2e9d5b"] * len(modes)
     colors += ["#999999"] if "decode_tok_s" in t else []
     bars = ax.bar(labels, vals, color=colors)
     roof = report["roofline"]["tok_s"]

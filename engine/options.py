@@ -6,8 +6,8 @@ metadata. The CLI flags (engine/cli.py), the settings dialog (app/settings_dialo
 (engine/bench.py) and the stats line (`stats_fields`) are generated from these fields, so adding
 a switch here is the whole of its plumbing outside the code that obeys it. A setting of named
 values (`decode_mode`) is a `_choice` field with the same metadata and its `choices`: the CLI
-flag comes from it (`choice_fields`); the settings dialog, the bench and the stats line list
-only the boolean switches so far.
+flag, the settings dialog's drop-down and the stats line come from it (`choice_fields`) as they
+come from the switches; the bench compares its values beside the switches' configurations.
 
 No torch and no Qt here: the app imports this module before it has a GPU.
 """
@@ -191,11 +191,15 @@ def fields_by_name() -> dict:
     return {f.name: f for f in fields(EngineOptions)}
 
 
-def stats_fields(options: EngineOptions) -> Iterator[tuple[str, bool]]:
-    """(stats label, on) for each switch that applies to this engine, timing excluded."""
-    for f in switch_fields():
-        if f.name != "timing" and options.applies(f.name):
-            yield f.metadata["stats"], bool(getattr(options, f.name))
+def stats_fields(options: EngineOptions) -> Iterator[tuple[str, str]]:
+    """(stats label, value) for each switch ("on" / "off") and each named-value setting (its
+    value, e.g. "persistent") that applies to this engine, in declaration order, timing excluded."""
+    for f in fields(EngineOptions):
+        if f.name == "timing" or not (f.metadata.get("switch") or f.metadata.get("choice")):
+            continue
+        if options.applies(f.name):
+            value = getattr(options, f.name)
+            yield f.metadata["stats"], (("on" if value else "off") if f.metadata.get("switch") else str(value))
 
 
 def cuda_available() -> bool:

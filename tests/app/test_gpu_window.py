@@ -103,3 +103,38 @@ def test_main_window_on_the_triton_backend(qtbot, make_window, recording_loader)
     assert dispatch["launch_cache"] is False and not session.inner.backend.launch_replay_active
     assert dispatch["decode_tok_s"] < off["decode_tok_s"]
     assert "launch cache off" in w.chat.messages[-1].stats_label.text()
+
+
+@pytest.mark.gpu
+def test_persistent_decode_mode_from_the_settings(qtbot, make_window, recording_loader):
+    """issue #59: the persistent step chosen in the settings decodes the next answer (greedy:
+    the per-operator answer's tokens) and the stats line says so; where this GPU cannot hold
+    its grid, the banner says why and the answer runs per operator."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    w = make_window(max_new_tokens=64, context=1024, ignore_eos=True, seed="3")
+    session = recording_loader.sessions[-1]
+    greedy = copy.deepcopy(w.settings)
+    greedy.sampling.temperature = 0.0
+    greedy.sampling.greedy = True
+    w.apply_settings(greedy)
+    per_op = send(qtbot, w, "Per operator first", timeout=120000)
+    assert per_op["decode_mode"] == "per_op" and "decode per_op" in w.chat.messages[-1].stats_label.text()
+    per_op_text = stored(w)[-1].content
+    s = copy.deepcopy(greedy)
+    s.engine_choices["decode_mode"] = "persistent"
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: ("configure", {"decode_mode": "persistent"}) in session.calls, timeout=20000)
+    w.new_chat()
+    persistent = send(qtbot, w, "Per operator first", timeout=120000)
+    line = w.chat.messages[-1].stats_label.text()
+    if session.inner.backend.decode_mode_error:
+        assert persistent["decode_mode"] == "per_op" and "decode per_op" in line
+        assert session.inner.backend.decode_mode_error in w.banner.text()
+    else:
+        assert persistent["decode_mode"] == "persistent" and "decode persistent" in line
+        assert type(session.inner.backend.decode_step).__name__ == "PersistentStep"
+        print(f"persistent {persistent['decode_tok_s']:.0f} tok/s, per_op {per_op['decode_tok_s']:.0f} tok/s, "
+              f"same answer: {stored(w)[-1].content == per_op_text}")

@@ -326,6 +326,68 @@ def test_engine_switches_reach_configure(qtbot, make_window, recording_loader):
     assert len(session.of("configure")) == 5
 
 
+def test_decode_mode_is_kept_but_not_sent_to_the_reference_engine(qtbot, make_window, recording_loader,
+                                                                   errors_shown):
+    """issue #59: the decode mode is saved like the switches; the reference engine (which has no
+    decode modes) is not asked to change it, and nothing fails."""
+    w = make_window()
+    session = recording_loader.sessions[-1]
+    sent = []
+    w.engine.configure = lambda _c=w.engine.configure, **kw: (sent.append(kw), _c(**kw))
+    s = copy.deepcopy(w.settings)
+    s.engine_choices["decode_mode"] = "persistent"
+    w.apply_settings(s)
+    del w.engine.configure
+    assert sent == [{"decode_mode": "persistent"}]
+    send(qtbot, w, "after the mode")
+    assert session.of("configure") == [] and errors_shown == []
+    assert load_settings(w.qs, w.model_defaults).choice("decode_mode") == "persistent"
+
+
+def test_decode_mode_switches_the_triton_engine_and_says_when_it_falls_back(qtbot, make_window,
+                                                                            recording_loader, monkeypatch):
+    """On the Triton engine (the interpreter here) choosing persistent reaches the backend's
+    configure(decode_mode=...); where the step cannot run, the banner says the engine's sentence
+    and the settings show the mode that runs, with the reason."""
+    from tritonchat.app.settings_dialog import SettingsDialog
+    from tritonchat.engine import persistent_step as PS
+
+    w = make_window(engine_overrides={"backend": "triton", "device": "cpu", "graph": False}, context=256)
+    session = recording_loader.sessions[-1]
+    assert w.engine_options["backend"] == "triton" and w.engine_options["decode_mode"] == "per_op"
+    s = copy.deepcopy(w.settings)
+    s.engine_choices["decode_mode"] = "persistent"
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: w.engine_options.get("decode_mode") == "persistent", timeout=20000)
+    assert session.of("configure")[-1] == ("configure", {"decode_mode": "persistent"})
+    assert type(session.backend.decode_step).__name__ == "PersistentStep"
+    assert "decode persistent" in w.engine_label.text()
+
+    def refuse(self, *a, **kw):
+        raise PS.PersistentUnavailable("its grid of 264 programs (2 an SM) cannot be resident at once")
+    s = copy.deepcopy(s)
+    s.engine_choices["decode_mode"] = "per_op"
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: w.engine_options.get("decode_mode") == "per_op", timeout=20000)
+    monkeypatch.setattr(PS.PersistentStep, "__init__", refuse)
+    s = copy.deepcopy(s)
+    s.engine_choices["decode_mode"] = "persistent"
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: "cannot be resident" in w.banner.text(), timeout=20000)
+    qtbot.waitUntil(lambda: len(session.of("configure")) == 3, timeout=20000)
+    assert w.banner.isVisible() and w.banner.text().endswith("decoding per operator.")
+    assert w.engine_options["decode_mode"] == "per_op" and "decode per_op" in w.engine_label.text()
+    d = SettingsDialog(w.settings, w.model_defaults, w.capabilities, parent=w, running=w.engine_options)
+    assert d.choices["decode_mode"].currentData() == "per_op"
+    assert "cannot be resident" in d.decode_mode_note.text() and not d.decode_mode_note.isHidden()
+    d.deleteLater()
+    # back to per_op: it runs as asked, the settings no longer carry the reason
+    s = copy.deepcopy(s)
+    s.engine_choices["decode_mode"] = "per_op"
+    w.apply_settings(s)
+    qtbot.waitUntil(lambda: "decode_mode_error" not in w.capabilities, timeout=20000)
+
+
 def test_context_length_change_applies_without_restart(qtbot, make_window, recording_loader):
     w = make_window()
     send(qtbot, w, "before")

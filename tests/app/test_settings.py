@@ -228,3 +228,74 @@ def test_model_picker(dialog, tmp_path):
     d._model_activated(d.model_choice.count() - 1)
     out = d.settings()
     assert out.model == str(good) and out.recent_models[:2] == [str(good), "/old/one"]
+
+
+# ---------------------------------------------------------------- the decode mode (issue #59)
+
+def test_decode_mode_is_stored_and_restored(qsettings, tmp_path):
+    s = load_settings(qsettings, MODEL)
+    assert s.engine_choices == {"decode_mode": "per_op"} and s.engine_settings()["decode_mode"] == "per_op"
+    s.engine_choices["decode_mode"] = "persistent"
+    save_settings(qsettings, s, MODEL)
+    back = load_settings(open_settings(str(tmp_path / "settings.ini")), MODEL)
+    assert back.engine_choices == {"decode_mode": "persistent"} and back == s
+    assert back.engine_settings() == {**back.engine, "decode_mode": "persistent"}
+
+
+def test_a_decode_mode_the_engine_lacks_is_logged_and_dropped(qsettings, caplog):
+    qsettings.setValue("engine/choices/decode_mode", "megakernel")
+    with caplog.at_level("WARNING", logger="tritonchat.settings"):
+        s = load_settings(qsettings, MODEL)
+    assert s.choice("decode_mode") == "per_op"
+    assert "megakernel" in caplog.text and "per_op, persistent" in caplog.text
+
+
+def test_decode_mode_drop_down_beside_the_switches(dialog):
+    from tritonchat.engine.options import choice_fields
+    d = dialog(caps=GPU)
+    (f,) = [c for c in choice_fields() if c.name == "decode_mode"]
+    combo = d.choices["decode_mode"]
+    assert [combo.itemData(i) for i in range(combo.count())] == list(f.metadata["choices"])
+    assert combo.isEnabled() and combo.currentData() == "per_op"
+    assert f.metadata["help"][1:40] in combo.toolTip() and "NVIDIA H100" in combo.toolTip()
+    # labelled from the metadata, in the engine form with the switches
+    form = combo.parentWidget().layout()
+    assert form.labelForField(combo).text() == f.metadata["label"]
+    assert d.switches["split_k"].parentWidget() is combo.parentWidget()
+    combo.setCurrentIndex(combo.findData("persistent"))
+    combo.activated.emit(combo.currentIndex())
+    assert d.settings().engine_choices == {"decode_mode": "persistent"}
+    # shown again from stored settings
+    d2 = dialog(ChatSettings(sampling=replace(MODEL), engine_choices={"decode_mode": "persistent"}), caps=GPU)
+    assert d2.choices["decode_mode"].currentData() == "persistent"
+    assert d2.settings().engine_choices == {"decode_mode": "persistent"}
+
+
+def test_decode_mode_greyed_on_the_reference_engine(dialog):
+    d = dialog(ChatSettings(sampling=replace(MODEL), engine_choices={"decode_mode": "persistent"}))
+    combo = d.choices["decode_mode"]
+    assert not combo.isEnabled() and combo.currentData() == "per_op"
+    assert combo.toolTip() == f"Not applicable: {SCOPE_REASON['triton']}."
+    assert d.settings().engine_choices == {"decode_mode": "persistent"}     # the choice is kept
+    # the Triton engine under the interpreter (CPU) has it
+    assert dialog(caps={"triton": True, "backend": "triton", "device": "cpu"}).choices["decode_mode"].isEnabled()
+
+
+def test_decode_mode_fallback_shows_the_mode_running_and_why(dialog):
+    why = ("The persistent decode step cannot run here: its grid of 264 programs cannot be resident "
+           "at once; decoding per operator.")
+    stored = ChatSettings(sampling=replace(MODEL), engine_choices={"decode_mode": "persistent"})
+    d = SettingsDialog(stored, MODEL, dict(GPU, decode_mode_error=why),
+                       running={"backend": "triton", "decode_mode": "per_op"})
+    combo = d.choices["decode_mode"]
+    assert combo.currentData() == "per_op" and why in combo.toolTip()
+    assert not d.decode_mode_note.isHidden() and d.decode_mode_note.text() == why
+    assert d.settings().engine_choices == {"decode_mode": "persistent"}   # untouched: the wish stays
+    combo.setCurrentIndex(combo.findData("per_op"))
+    combo.activated.emit(combo.currentIndex())                        # chosen: the note is gone
+    assert d.decode_mode_note.isHidden() and why not in combo.toolTip()
+    assert d.settings().engine_choices == {"decode_mode": "per_op"}
+    d.deleteLater()
+    # without a fallback the stored choice shows, whatever the last report said
+    d = dialog(stored, caps=GPU)
+    assert d.choices["decode_mode"].currentData() == "persistent" and d.decode_mode_note.isHidden()

@@ -23,7 +23,7 @@ def test_line_on_the_gpu_names_every_switch_that_applies():
     parts = stats_line(stats).split(SEP)
     assert parts[:5] == ["TTFT 12 ms", "prefill 2,500 tok/s", "decode 512.2 tok/s", "1 token", "max tokens"]
     flags = parts[5]
-    assert flags.startswith("triton bf16 split-K on graph off")
+    assert flags.startswith("triton bf16 decode per_op split-K on graph off")
     assert "launch cache on" in flags              # acts with the graph off...
     assert "L2 states" not in flags                # ...the L2 window only with it on
     assert "timing" not in flags
@@ -41,6 +41,21 @@ def test_reference_and_cpu_runs_claim_no_triton_or_cuda_switch():
     # the Triton engine on the CPU (interpreter): split-K acts, the CUDA graph cannot
     interp = stats_line(run_stats(backend="triton", device="cpu", split_k=False, graph=True))
     assert "split-K off" in interp and "graph" not in interp and "PDL" not in interp
+    assert "decode" not in stats_line(run_stats(backend="reference", decode_mode="persistent")).split(SEP)[-1]
+
+
+def test_the_decode_mode_is_a_field_of_the_line():
+    """issue #59: the mode the decode step ran in, on the GPU and under the interpreter alike, in
+    the line, the tooltip (by its dialog label) and the status bar; rows from before it existed
+    claim none."""
+    for device in ("cuda", "cpu"):
+        stats = run_stats(backend="triton", device=device, decode_mode="persistent")
+        assert "triton fp32 decode persistent split-K on" in stats_line(stats)
+        assert "Decode step: persistent" in stats_tooltip(stats)
+    g = EngineOptions(backend="triton", device="cuda", decode_mode="persistent").to_dict()
+    assert "decode persistent" in engine_label(g, "NVIDIA H100")
+    old = {"new_tokens": 2, "engine": {"backend": "triton", "split_k": True}}
+    assert "decode" not in engine_flags(old)[-1] and "Decode step" not in stats_tooltip(old)
 
 
 def test_only_recorded_switches_are_named_and_nested_engine_dicts_read():

@@ -228,3 +228,68 @@ def test_worker_on_the_triton_backend(tiny_model_dir):
     assert rows and all({"name", "launches_per_token", "us_per_token", "share", "gb_s"} <= set(r) for r in rows)
     assert abs(sum(r["share"] for r in rows) - 1.0) < 0.05
     w.shutdown()
+
+
+def _refuse_persistent(monkeypatch):
+    """The persistent step cannot run here (on a GPU: its grid cannot be co-resident)."""
+    from tritonchat.engine import persistent_step as PS
+
+    def refuse(self, *a, **kw):
+        raise PS.PersistentUnavailable("its grid of 264 programs (2 an SM) cannot be resident at once")
+    monkeypatch.setattr(PS.PersistentStep, "__init__", refuse)
+
+
+TRITON_CPU = {"backend": "triton", "device": "cpu", "max_context": 128, "graph": False}
+
+
+def test_decode_mode_reaches_the_triton_engine_and_its_fallback_is_said(tiny_model_dir, monkeypatch):
+    """issue #59: decode_mode at load and by configure, on the Triton engine (the interpreter
+    here); a persistent step that cannot run is reported with the engine's one sentence and
+    the options read the mode that runs."""
+    calls = []
+    w = EngineWorker(real_loader(calls))
+    rec = Recorder(w)
+    sentences = []
+    w.fellBackMode.connect(sentences.append)
+    try:
+        w.load(str(tiny_model_dir), dict(TRITON_CPU, decode_mode="persistent"))
+        assert rec.of("loadFailed") == [] and calls[-1]["decode_mode"] == "persistent"
+        info = rec.of("loaded")[0][0]
+        assert info["options"]["decode_mode"] == "persistent" and info["capabilities"]["decode_mode_error"] == ""
+        assert type(w.session.backend.decode_step).__name__ == "PersistentStep"
+        w.configure({"decode_mode": "per_op"})
+        assert rec.of("configured")[-1][0]["decode_mode"] == "per_op" and sentences == []
+        assert type(w.session.backend.decode_step).__name__ == "DecodeStep"
+        _refuse_persistent(monkeypatch)
+        w.configure({"decode_mode": "persistent"})
+        assert rec.of("configureFailed") == []
+        assert rec.of("configured")[-1][0]["decode_mode"] == "per_op"
+        (sentence,) = sentences
+        assert "cannot be resident at once" in sentence and sentence.endswith("decoding per operator.")
+        # a load asking for it reports the same sentence in its capabilities
+        w.load(str(tiny_model_dir), dict(TRITON_CPU, decode_mode="persistent"))
+        info = rec.of("loaded")[-1][0]
+        assert info["options"]["decode_mode"] == "per_op"
+        assert "cannot be resident at once" in info["capabilities"]["decode_mode_error"]
+    finally:
+        w.shutdown()
+
+
+def test_decode_mode_is_not_sent_to_the_reference_engine(worker):
+    """The reference engine has no decode modes: the setting is kept by the app, not sent
+    (its configure would refuse the name)."""
+    w, rec = worker
+    sent = []
+    configure = w.session.configure
+    w.session.configure = lambda **kw: (sent.append(kw), configure(**kw))
+    w.configure({"decode_mode": "persistent", "split_k": True})
+    assert sent == [{"split_k": True}] and rec.of("configureFailed") == []
+    assert rec.of("configured")[-1][0]["backend"] == "reference"
+
+
+def test_an_unknown_decode_mode_at_load_is_a_sentence(tiny_model_dir):
+    w = EngineWorker(real_loader())
+    rec = Recorder(w)
+    w.load(str(tiny_model_dir), {"decode_mode": "fast"})
+    ((sentence, _details, _kind),) = rec.of("loadFailed")
+    assert "decode mode 'fast'" in sentence and "per_op or persistent" in sentence

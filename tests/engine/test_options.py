@@ -76,10 +76,21 @@ def test_switches_outside_their_scope_read_off():
     assert list(stats_fields(ref)) == []
     gpu = EngineOptions(backend="triton", device="cuda", graph=True)
     labels = dict(stats_fields(gpu))
-    assert labels["split-K"] and labels["graph"] and labels["L2 states"]
+    assert labels["split-K"] == labels["graph"] == labels["L2 states"] == "on"
     assert "launch cache" not in labels                      # only with the graph off
     eager = dict(stats_fields(EngineOptions(backend="triton", device="cuda", graph=False)))
-    assert eager["launch cache"] and "L2 states" not in eager
+    assert eager["launch cache"] == "on" and eager["graph"] == "off" and "L2 states" not in eager
+
+
+def test_stats_fields_name_the_decode_mode():
+    """The decode step's mode is a field of the stats line on the Triton engine (GPU or the
+    interpreter), first as it is declared first; the reference engine claims none."""
+    for device in ("cuda", "cpu"):
+        o = EngineOptions(backend="triton", device=device, decode_mode="persistent", split_k=False)
+        got = list(stats_fields(o))
+        assert got[0] == ("decode", "persistent") and ("split-K", "off") in got
+    assert dict(stats_fields(EngineOptions(backend="triton")))["decode"] == "per_op"
+    assert "decode" not in dict(stats_fields(EngineOptions(backend="reference", decode_mode="persistent")))
 
 
 def test_configure_names_are_checked():
