@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512)
     _add_engine_args(b, bench=True)
     b.add_argument("--compare", action="store_true",
-                   help="split-K x graph matrix, transformers eager, long-context decode")
+                   help="split-K x graph matrix, the other decode mode, transformers eager, long-context decode")
     b.add_argument("--prefill-lens", default=None, help="comma-separated prompt lengths for the TTFT table")
     b.add_argument("--plot", default=None, help="write a PNG of the --compare results here")
     b.add_argument("--json", action="store_true")
