@@ -146,6 +146,50 @@ def _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
 
 
 @triton.jit
+def _split_partials(q, k_new, v_new, kt0, vt0, n_mask0, kc, vc, start, end, cache_end, p,
+                    heads, h_mask, offs_d, d_mask, part_ptr, split, qk_scale_log2,
+                    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HD: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One split of the flash-decoding attention for the query rows q [BLOCK_H, BLOCK_D]
+    (fp32, normed and rotated) of `heads`: the online softmax in fp32 (base 2) over the split's
+    cached positions [start, cache_end) (the tile kt0 / vt0 / n_mask0 loaded by the caller,
+    then the rest), then the new token (position p, key k_new, value v_new) where the split's
+    range [start, end) holds p; its partials stored: the acc rows [H, NUM_SPLITS, HD] (16-byte
+    aligned rows: vector loads in the merge), then the (m, l) pairs [H, NUM_SPLITS, 2], whose
+    base it returns."""
+    cdt = kc.dtype.element_ty
+    q_dot = q.to(cdt)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i, l_i, acc = _attend_tile(q_dot, kt0, vt0, n_mask0, m_i, l_i, acc, qk_scale_log2,
+                                 DOT_PRECISION)
+    for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
+        kt, vt, n_mask = _kv_tile(kc, vc, n0, cache_end, offs_d, d_mask, HD, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
+                                     DOT_PRECISION)
+
+    s_cur = tl.sum(q * k_new, axis=1) * qk_scale_log2
+    s_cur = tl.where((p >= start) & (p < end), s_cur, float("-inf"))
+    m_new = tl.maximum(m_i, s_cur)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p_cur = tl.exp2(s_cur - m_safe)
+    l_i = l_i * alpha + p_cur
+    p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot above
+    acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)
+
+    ml_ptr = part_ptr + NUM_HEADS * NUM_SPLITS * HD
+    rec = heads.to(tl.int64) * NUM_SPLITS + split
+    tl.store(part_ptr + rec[:, None] * HD + offs_d[None, :], acc,
+             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
+    tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
+    return ml_ptr
+
+
+@triton.jit
 def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v_cache_ptr,
                         pos_ptr, part_ptr, cnt_ptr, out_ptr, max_ctx, eps, qk_scale_log2,
                         freq_log2_step,
@@ -220,38 +264,11 @@ def _attn_decode_kernel(qg_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, k_cache_ptr, v
             tl.store(kc + dst, k_new.to(cdt), mask=slot_ok)
             tl.store(vc + dst, v_new, mask=slot_ok)
 
-        # online softmax in fp32 (base 2) over this split's cached positions: the tile loaded
-        # before the wait, then the rest
-        q_dot = q.to(cdt)
-        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        m_i, l_i, acc = _attend_tile(q_dot, kt0, vt0, n_mask0, m_i, l_i, acc, qk_scale_log2,
-                                     DOT_PRECISION)
-        for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
-            kt, vt, n_mask = _kv_tile(kc, vc, n0, cache_end, offs_d, d_mask, HD, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
-                                         DOT_PRECISION)
-
-        # the new token (position p) belongs to the split whose range holds p
-        s_cur = tl.sum(q * k_new, axis=1) * qk_scale_log2
-        s_cur = tl.where((p >= start) & (p < end), s_cur, float("-inf"))
-        m_new = tl.maximum(m_i, s_cur)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p_cur = tl.exp2(s_cur - m_safe)
-        l_i = l_i * alpha + p_cur
-        p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot above
-        acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)
-
-        # partials: the acc rows [H, NUM_SPLITS, HD] (16-byte aligned rows: vector loads in the
-        # merge), then the (m, l) pairs [H, NUM_SPLITS, 2]
-        ml_ptr = part_ptr + NUM_HEADS * NUM_SPLITS * HD
-        rec = heads.to(tl.int64) * NUM_SPLITS + split
-        tl.store(part_ptr + rec[:, None] * HD + offs_d[None, :], acc,
-                 mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
-        tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
+        # online softmax over this split's cached positions and the new token; partials out
+        ml_ptr = _split_partials(q, k_new, v_new, kt0, vt0, n_mask0, kc, vc, start, end,
+                                 cache_end, p, heads, h_mask, offs_d, d_mask, part_ptr, split,
+                                 qk_scale_log2, NUM_HEADS, NUM_SPLITS, HD, BLOCK_H, BLOCK_D,
+                                 BLOCK_N, DOT_PRECISION)
 
         # Up to DEFER active splits the merge is the consumer's: the o_proj's prologue reads the
         # partials after its wait (merge_partials), so this launch ends at the partial stores,

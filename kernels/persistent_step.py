@@ -61,9 +61,8 @@ import triton.language as tl
 
 from ._common import cdiv, next_pow2
 from ._persistent import globaltimer, rows_load, signal, stall, wait_counter
-from .attention_decode import (_attend_tile, _kv_tile, _merge_chunk, _norm_rope,
-                               _norm_weights, _rope_partner, _rope_table, _row, split_layout,
-                               tile_positions)
+from .attention_decode import (_kv_tile, _merge_chunk, _norm_rope, _norm_weights, _rope_partner,
+                               _rope_table, _row, _split_partials, split_layout, tile_positions)
 from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _softplus, default_block_v
 from .gemv import EPI_CONV, _epi_pre, _epilogue
 from .sampling import _KEY_EMPTY, _count_and_advance, _pack, _unpack_idx
@@ -508,32 +507,9 @@ def _attn_task(qg_ptr, part_ptr, kc, vc, g, s, p, start, end, cache_end, kt0, vt
         dst = p.to(tl.int64) * HD + offs_d[None, :]
         tl.store(kc + dst, k_new.to(cdt), mask=slot_ok)
         tl.store(vc + dst, v_new, mask=slot_ok)
-    q_dot = qv.to(cdt)
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    m_i, l_i, acc = _attend_tile(q_dot, kt0, vt0, nm0, m_i, l_i, acc, qk_scale_log2,
-                                 DOT_PRECISION)
-    for n0 in range(start + BLOCK_N, cache_end, BLOCK_N):
-        kt, vt, n_mask = _kv_tile(kc, vc, n0, cache_end, offs_d, d_mask, HD, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q_dot, kt, vt, n_mask, m_i, l_i, acc, qk_scale_log2,
-                                     DOT_PRECISION)
-    # the new token (position p) belongs to the split whose range holds p
-    s_cur = tl.sum(qv * k_new, axis=1) * qk_scale_log2
-    s_cur = tl.where((p >= start) & (p < end), s_cur, float("-inf"))
-    m_new = tl.maximum(m_i, s_cur)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p_cur = tl.exp2(s_cur - m_safe)
-    l_i = l_i * alpha + p_cur
-    p_cur_r = p_cur.to(cdt).to(tl.float32)      # rounded like the P of the P V dot
-    acc = acc * alpha[:, None] + p_cur_r[:, None] * v_new.to(tl.float32)
-    ml_ptr = part_ptr + H * NS * HD
-    rec = heads.to(tl.int64) * NS + s
-    tl.store(part_ptr + rec[:, None] * HD + offs_d[None, :], acc,
-             mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(ml_ptr + rec * 2, m_new, mask=h_mask)
-    tl.store(ml_ptr + rec * 2 + 1, l_i, mask=h_mask)
+    _split_partials(qv, k_new, v_new, kt0, vt0, nm0, kc, vc, start, end, cache_end, p, heads,
+                    h_mask, offs_d, d_mask, part_ptr, s, qk_scale_log2, H, NS, HD, BLOCK_H,
+                    BLOCK_D, BLOCK_N, DOT_PRECISION)
 
 
 @triton.jit
