@@ -620,6 +620,20 @@ class TritonBackend(Backend):
         self.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._check_persistent_step()
+
+    def _check_persistent_step(self) -> None:
+        """The persistent kernel's deadlock guard: a counter wait that ran out of time (its
+        programs not all resident after all) lets the kernel finish with a flag set instead of
+        hanging. Then its results cannot be trusted: decode per operator from now on, said once."""
+        step = self.decode_step
+        if self.options.decode_mode != "persistent" or not step.errored():
+            return
+        self.decode_mode_error = ("The persistent decode step timed out waiting for its own programs on "
+                                  "this GPU; decoding per operator.")
+        print(f"tritonchat: {self.decode_mode_error}", file=sys.stderr)
+        self.options.decode_mode = "per_op"
+        self._build_step()
 
     # ---------------------------------------------------------------------- snapshots ----
     def snapshot(self):

@@ -249,6 +249,23 @@ def test_unavailable_persistent_step_falls_back_with_one_message(ckpt, monkeypat
 
 
 @interpreter_only
+def test_a_timed_out_wait_after_warm_up_falls_back_to_per_op(ckpt, capsys):
+    """The kernel's deadlock guard: a counter wait that ran out of time sets the step's error
+    flag (its programs were not all resident). Warm-up looks at the flag once the steps ran:
+    the backend then decodes per operator, says why once, and the option reads per_op."""
+    if "default" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+    _, be = _backend(ckpt, "persistent", graph=False)
+    be.warm_up(prompt_lengths=(2,))
+    assert type(be.decode_step).__name__ == "PersistentStep" and be.decode_mode_error is None
+    be.decode_step.err.fill_(1)                     # what wait_counter writes on a timeout
+    be.warm_up(prompt_lengths=(2,))
+    assert type(be.decode_step).__name__ == "DecodeStep" and be.options.decode_mode == "per_op"
+    assert "timed out" in be.decode_mode_error
+    assert capsys.readouterr().err.count("timed out waiting for its own programs") == 1
+
+
+@interpreter_only
 def test_decode_mode_switch_rebuilds_the_step(ckpt):
     """configure(decode_mode=...) swaps the step (and drops the graphs); an unknown mode is an
     OptionError; the per-operator step is the default."""
