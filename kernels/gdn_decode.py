@@ -62,6 +62,29 @@ def _expect(cond: bool, msg: str) -> None:
 #   while the in_proj drains and the recurrence tiles wait for it.
 
 @triton.jit
+def _delta_rule(S, q, k, v, b, a, dt_b, a_log, q_scale, act, L2_EPS: tl.constexpr,
+                SP_THRESHOLD: tl.constexpr):
+    """One token of the gated delta rule on a [DK, BLOCK_V] tile S of the fp32 state, from the
+    raw q, k [DK] and v [BLOCK_V] (fp32), b and a (beta and decay inputs), dt_bias and A_log:
+    (S updated, o). Every reduction reads only the loaded values, so they are independent (one
+    round of cross-warp reductions instead of three in a row: the l2 norms, then S^T k, then
+    S^T q of the updated state). With g = exp(g_log), rk = 1/|k|, rq = scale/|q| (scalars):
+      S_new = g S + (rk k) delta^T,  delta = beta (v - g rk S^T k)
+      o = S_new^T (rq q) = g rq S^T q + delta (rk rq k.q)"""
+    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
+    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
+    qk = tl.sum(q * k, axis=0)
+    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
+    sq = tl.sum(S * q[:, None], axis=0)
+    beta = tl.sigmoid(b).to(act).to(tl.float32)
+    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD))
+    delta = beta * (v - (g * rk) * sk)
+    S = S * g + (k * rk)[:, None] * delta[None, :]
+    o = (g * rq) * sq + delta * (rk * rq * qk)
+    return S, o
+
+
+@triton.jit
 def _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale, cpid,
                    HK, HV, BA_OFF, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -97,22 +120,7 @@ def _gdn_decode_tile(proj_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, q_scale
     v = tl.load(proj_ptr + 2 * key_dim + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     b = tl.load(proj_ptr + BA_OFF + h).to(tl.float32)
     a = tl.load(proj_ptr + BA_OFF + HV + h).to(tl.float32)
-    # Every reduction reads only the loaded values, so they are independent (one round of
-    # cross-warp reductions instead of three in a row: the l2 norms, then S^T k, then S^T q of
-    # the updated state). With g = exp(g_log), rk = 1/|k|, rq = scale/|q| (scalars):
-    #   S_new = g S + (rk k) delta^T,  delta = beta (v - g rk S^T k)
-    #   o = S_new^T (rq q) = g rq S^T q + delta (rk rq k.q)
-    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * q_scale
-    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
-    qk = tl.sum(q * k, axis=0)
-    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
-    sq = tl.sum(S * q[:, None], axis=0)
-    beta = tl.sigmoid(b).to(act).to(tl.float32)
-    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD))
-
-    delta = beta * (v - (g * rk) * sk)
-    S = S * g + (k * rk)[:, None] * delta[None, :]
-    o = (g * rq) * sq + delta * (rk * rq * qk)
+    S, o = _delta_rule(S, q, k, v, b, a, dt_b, a_log, q_scale, act, L2_EPS, SP_THRESHOLD)
     tl.store(s_ptrs, S, mask=s_mask)
     tl.store(o_ptr + h * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 

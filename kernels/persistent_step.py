@@ -63,7 +63,7 @@ from ._common import cdiv, next_pow2
 from ._persistent import globaltimer, rows_load, signal, stall, wait_counter
 from .attention_decode import (_kv_tile, _merge_chunk, _norm_rope, _norm_weights, _rope_partner,
                                _rope_table, _row, _split_partials, split_layout, tile_positions)
-from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _softplus, default_block_v
+from .gdn_decode import L2NORM_EPS, SOFTPLUS_THRESHOLD, _delta_rule, default_block_v
 from .gemv import EPI_CONV, _epi_pre, _epilogue
 from .sampling import _KEY_EMPTY, _count_and_advance, _pack, _unpack_idx
 
@@ -260,16 +260,7 @@ def _core_tile(S, c, proj_ptr, o_ptr, rec_l, alog_l, dtb_l, q_scale, offs_k, off
     a = tl.load(proj_ptr + CONV_DIM + HV + hh, cache_modifier=".cg").to(tl.float32)
     dt_b = tl.load(dtb_l + hh).to(tl.float32)
     a_log = tl.load(alog_l + hh).to(tl.float32)
-    rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS_K) * q_scale
-    rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS_K)
-    qk = tl.sum(q * k, axis=0)
-    sk = tl.sum(S * k[:, None], axis=0)                   # S^T k, S^T q of the old state
-    sq = tl.sum(S * q[:, None], axis=0)
-    beta = tl.sigmoid(b).to(act).to(tl.float32)
-    g = tl.exp(-tl.exp(a_log) * _softplus(a + dt_b, SP_THRESHOLD_K))
-    delta = beta * (v - (g * rk) * sk)
-    S = S * g + (k * rk)[:, None] * delta[None, :]
-    o = (g * rq) * sq + delta * (rk * rq * qk)
+    S, o = _delta_rule(S, q, k, v, b, a, dt_b, a_log, q_scale, act, L2_EPS_K, SP_THRESHOLD_K)
     ptrs, mask = _state_tile(rec_l, c, offs_k, offs_v0, DK, DV, HV, BV)
     tl.store(ptrs, S, mask=mask)
     tl.store(o_ptr + hh * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
