@@ -183,7 +183,10 @@ def compile_sm90(fn, sig, constexprs, num_warps, ptx_counts):
     """Offline sm_90 compile of `fn` (no GPU): dict(ok, s, cubin, **ptx_counts(ptx), shared,
     **ptxas registers), or dict(ok=False, error)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    else:
+        from triton.compiler import ASTSource
     s = dict(sig)
     s.update({k: "constexpr" for k in constexprs})
     t0 = time.time()
@@ -322,7 +325,7 @@ def best_persistent(out):
     """The correct persistent variant nearest the roofline, or None."""
     best = None
     for name, r in out.items():
-        if r.get("mode") == "persist" and r.get("correct") and "frac_roofline" in r:
+        if r.get("mode") in ("persist", "ring") and r.get("correct") and "frac_roofline" in r:
             if best is None or r["frac_roofline"] > out[best]["frac_roofline"]:
                 best = name
     return best

@@ -48,6 +48,11 @@ Variants (``--variant a,b,...`` or ``--all``):
                     ``cp.async.bulk.prefetch.L2`` per 2-KB chunk (``_bulk``) for its tiles of the
                     operator PF_DEPTH ahead (``_d2``: two operators ahead), then waits.
        _x2 / _vol   two programs per SM / spin on a volatile load (then one acquire).
+  ring_bN           way (a) with a copy engine: the same chain as one persistent Gluon kernel
+                    (benchmarks/persistent_mlp_ring.py) whose weight tiles stream by cp.async
+                    into a ring of N shared-memory pages, N - 1 tasks ahead of the compute and
+                    straight across the counter waits (one program an SM; ``_x2``: two, each
+                    with half the ring). GPU only: Gluon has no interpreter.
 
 Stall injection: the program owning tile 0 of one operator (default the middle one) spins
 ``--stall-ns`` (1000) on %globaltimer before its compute; the report gives the chain time with
@@ -69,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -434,7 +440,7 @@ def _mlp_chain_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_pt
 @dataclass
 class Variant:
     name: str
-    mode: str                   # baseline | phase | persist
+    mode: str                   # baseline | phase | persist | ring
     lookahead: int = 0          # 1: next task's tile in registers (the tuned persistent form)
     xop: int = 1                # lookahead 1, persistent: next operator's first tile held in
                                 # registers through the current operator (0: loaded at the
@@ -451,6 +457,7 @@ class Variant:
                                 # persistent grid (SMs x ppsm) for both
     spin: int = 0               # 0 acquire atomic, 1 volatile load
     pdl: int = 1                # phase mode: programmatic dependent launch between operators
+    nbuf: int = 0               # ring mode: shared-memory pages a program streams ahead
     what: str = ""
 
 
@@ -507,9 +514,18 @@ VARIANTS = [
             what="(a')+(b) tl.range(num_stages=3) + L2 stream 8 tasks ahead"),
     Variant("persist_sw0_ahead", "persist", lookahead=1, xop=0, ahead=-1,
             what="(a)+(b) registers + L2 stream --ahead-tasks ahead"),
+    Variant("ring_b4", "ring", nbuf=4, ppsm=1,
+            what="(a) Gluon, cp.async ring of 4 shared-memory pages across operators"),
+    Variant("ring_b8", "ring", nbuf=8, ppsm=1,
+            what="(a) Gluon, cp.async ring of 8 shared-memory pages across operators"),
+    Variant("ring_b12", "ring", nbuf=12, ppsm=1,
+            what="(a) Gluon, cp.async ring of 12 shared-memory pages across operators"),
+    Variant("ring_b6_x2", "ring", nbuf=6, ppsm=2,
+            what="(a) Gluon, 2 programs an SM, each a ring of 6 pages"),
 ]
 DEFAULT_VARIANTS = ("baseline,phase,phase_sm,persist,persist_sw,persist_sw0,persist_l2,"
-                    "persist_sw_l2,persist_sw0_a4,persist_sw0_a8,persist_sw0_a16")
+                    "persist_sw_l2,persist_sw0_a4,persist_sw0_a8,persist_sw0_a16,ring_b4,ring_b8,"
+                    "ring_b12,ring_b6_x2")
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
@@ -669,6 +685,9 @@ class Runner:
         if v.mode == "baseline":
             self._init_baseline()
             return
+        if v.mode == "ring":
+            self._init_ring()
+            return
         H, I = chain.H, chain.I
         resolve_tiles(args)
         if I % args.bn_gu or H % args.bn_d:
@@ -722,6 +741,37 @@ class Runner:
         self.partials = torch.zeros(n_p, dtype=torch.float32, device=c.device)
         self.counters = torch.zeros(n_c, dtype=torch.int32, device=c.device)
 
+    # ------------------------------------------------------------------------ ring ----
+    def _init_ring(self):
+        """The Gluon ring kernel (benchmarks/persistent_mlp_ring.py; a GPU, no interpreter)."""
+        if not self.is_cuda or INTERPRET:
+            raise ValueError("the ring variants are Gluon kernels: they need a GPU")
+        import persistent_mlp_ring as R
+        c, v = self.c, self.v
+        self.R, self.ring_bn = R, 4              # gate rows a page (and warps)
+        bad = R.shape_error(c.H, c.I, self.ring_bn)
+        if bad:
+            raise ValueError(bad)
+        dev = c.device
+        self.ppsm = v.ppsm or 1
+        self.G = torch.cuda.get_device_properties(dev).multi_processor_count * self.ppsm
+        if self.G > c.H // R.bn_d(c.H, c.I, self.ring_bn):
+            raise ValueError(f"a grid of {self.G} leaves programs without down tasks")
+        self.G_ph = (self.G, self.G)
+        self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.pdl = False
+        self.stall_op, self.stall_ns = -1, 0
+        self.timeout_ns = int(self.args.spin_timeout_ms * 1e6)
+        self.occupancy = None
+
+    def _ring_args(self, s):
+        c = self.c
+        return (c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
+                self.nl, s * c.L, c.eps, self.stall_op, self.stall_ns, self.timeout_ns)
+
     def _kw(self, p):
         return dict(split_k=p["split_k"], partials=self.partials, counters=self.counters,
                     block_n=p["block_n"], block_k=p["block_k"], num_warps=p["num_warps"],
@@ -753,6 +803,8 @@ class Runner:
             for l in range(self.nl):
                 self._launch(s, 0, l)
                 self._launch(s, 1, l)
+        elif v.mode == "ring":
+            self.R.launch(self.G, *self._ring_args(s), bn_gu=self.ring_bn, nbuf=v.nbuf)
         else:
             self._launch(s, -1, 0)
 
@@ -760,10 +812,15 @@ class Runner:
         """Compile without launching and check that the grid fits on the GPU at once (a
         persistent grid that is not co-resident deadlocks; the spin timeout is the last guard).
         Returns a dict (regs, spills, shared, programs_per_sm_max); raises if it cannot fit."""
-        if not self.is_cuda or self.v.mode != "persist":
+        if not self.is_cuda or self.v.mode not in ("persist", "ring"):
             return None
         c = self.c
         self.occupancy = dict(grid=self.G)      # filled in place, also when it cannot fit
+        if self.v.mode == "ring":
+            return check_co_resident(
+                lambda: self.R.warmup(self.G, *self._ring_args(0), bn_gu=self.ring_bn,
+                                      nbuf=self.v.nbuf),
+                self.ring_bn, c.device, self.ppsm, self.occupancy)
         return check_co_resident(
             lambda: _mlp_chain_kernel.warmup(
                 c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
@@ -790,6 +847,14 @@ def compile_only(args, variants):
     for v in variants:
         if v.mode == "baseline":
             continue
+        if v.mode == "ring":
+            import persistent_mlp_ring as R
+            const, nwarps = R.constexprs(args.hidden, args.inter, 4, v.nbuf)
+            rsig = {k: t for k, t in sig.items() if k not in ("phase_layer",)}
+            info = compile_sm90(R._mlp_ring_kernel, rsig, const, nwarps, _ptx_counts)
+            out[f"{v.name}/PHASE=-1"] = info
+            print(f"{v.name}/PHASE=-1", json.dumps(info), flush=True)
+            continue
         if v.mode == "phase":
             gs = phase_grids(args, v, G)
         else:
@@ -811,8 +876,9 @@ def _ptx_counts(ptx):
     return dict(prefetch=ptx.count("prefetch.global.L2"),
                 bulk=ptx.count("cp.async.bulk.prefetch"),
                 globaltimer=ptx.count("%globaltimer"),
-                atom=ptx.count("atom.") + ptx.count("red.global"),
-                acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"))
+                atom=ptx.count("atom.") + len(re.findall(r"\sred\.global", ptx)),
+                acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
+                cp_async=ptx.count("cp.async.cg.shared"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -868,8 +934,10 @@ def select(args):
     if args.phase:
         vs = [v for v in vs if v.mode in ("baseline", "phase")]
     if INTERPRET:
-        # no inline PTX (L2 prefetch) or PDL in the interpreter; persistent variants run as
-        # one program (see Runner); the variants that differ only there collapse into one
+        # no Gluon (the ring variants), inline PTX (L2 prefetch) or PDL in the interpreter;
+        # persistent variants run as one program (see Runner); the variants that differ only
+        # there collapse into one
+        vs = [v for v in vs if v.mode != "ring"]
         vs = [Variant(**dict(asdict(v), pf=0, pdl=0, ppsm=1, pf_depth=1, ahead=0, pf_el=0,
                              what=v.what + (" [interpreter: no PTX prefetch, 1 program]"
                                             if v.mode == "persist" else
