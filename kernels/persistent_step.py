@@ -59,7 +59,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
+from ._common import cdiv, next_pow2, pdl_wait
 from ._persistent import globaltimer, rows_load, signal, stall, wait_counter
 from .attention_decode import (_kv_tile, _merge_chunk, _norm_rope, _norm_weights, _rope_partner,
                                _rope_table, _row, _split_partials, split_layout, tile_positions)
@@ -117,9 +117,7 @@ def _op_begin(cnt_ptr, err_ptr, stamp_ptr, stall_rec_ptr, q, base, pid, G, stall
     if PERSIST:
         if q > 0:
             wait_counter(cnt_ptr + q - 1, base * G, err_ptr, timeout_ns, SPIN)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     if STALL:
         if (q == stall_op) & (pid == 0):
             stall(stall_ns, stall_rec_ptr)
