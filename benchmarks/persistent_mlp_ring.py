@@ -27,9 +27,10 @@ Past the program's last task the items are fully masked copies (they keep the gr
 constant); the kernel drains the ring before it exits.
 
 Ordering, stall injection, epochs and the timeout guard are persistent_mlp.py's (counter q + 1
-after operator q, targets (epoch + 1) x grid, nothing reset between chains), written here in
-Gluon: Triton's @triton.jit helpers cannot be called from a Gluon kernel. GPU only (Gluon has no
-interpreter); persistent_mlp.py runs it as its `ring_*` variants beside the others.
+after operator q, targets (epoch + 1) x grid, nothing reset between chains), through the same
+kernels/_persistent.py helpers: they make no tensors, so a Gluon kernel can call them. GPU only
+(Gluon has no interpreter); persistent_mlp.py runs it as its `ring_*` variants beside the
+others.
 """
 from __future__ import annotations
 
@@ -40,46 +41,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 # cp.async of a pointer tensor into shared memory: async_copy_global_to_shared up to Triton 3.6
 # (the device's), async_load after it was renamed (3.9, this repo's CI)
 _cp_async = getattr(ac, "async_load", None) or ac.async_copy_global_to_shared
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier        # (renamed the same way)
 
-
-# ------------------------------------------------------------------------------------------
-# ordering (persistent_mlp.py's helpers, in Gluon)
-# ------------------------------------------------------------------------------------------
-
-@gluon.jit
-def _timer():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wait(cnt_ptr, target, err_ptr, timeout_ns):
-    """Until cnt_ptr[0] >= target (acquire); past timeout_ns err_ptr[0] = 1 and go on."""
-    c = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    if c < target:
-        t0 = _timer()
-        while c < target:
-            c = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-            if _timer() - t0 > timeout_ns:
-                gl.atomic_xchg(err_ptr, 1)
-                c = target
-    _barrier()
-
-
-@gluon.jit
-def _signal(cnt_ptr):
-    _barrier()
-    gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _stall(ns, stamp_ptr):
-    t0 = _timer()
-    t = t0
-    while t - t0 < ns:
-        t = _timer()
-    gl.store(stamp_ptr, t - t0)
+# the counter wait, count and stall of the Triton persistent kernels (kernels/_persistent.py):
+# @triton.jit helpers that make no tensors of their own, so a Gluon kernel can call them
+from persistent_common import signal, stall, wait_counter  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------
@@ -172,10 +137,10 @@ def _mlp_ring_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_ptr
         # ---- gate_up: act = round(silu(Wg x) * (Wu x)), x = round(rms_norm(h) * (1 + w))
         nw = gl.load(nw_ptr + (layer0 + l) * H + hcols).to(gl.float32)
         if q > 0:
-            _wait(cnt_ptr + q - 1, base * G, err_ptr, timeout_ns)
+            wait_counter(cnt_ptr + q - 1, base * G, err_ptr, timeout_ns, 0)
         if STALL:
             if (q == stall_op) & (pid == 0):
-                _stall(stall_ns, stamp_ptr)
+                stall(stall_ns, stamp_ptr)
         hv = gl.load(h_ptr + hcols, cache_modifier=".cg")
         hf = hv.to(gl.float32)
         inv = gl.rsqrt(gl.sum(hf * hf, axis=0) / H + eps)
@@ -190,12 +155,12 @@ def _mlp_ring_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_ptr
             gl.store(act_ptr + (pid + r * G) * BN_GU + a1,
                      (g / (1.0 + gl.exp(-g)) * u).to(hv.dtype))
             s += 1
-        _signal(cnt_ptr + q)
+        signal(cnt_ptr + q, 1)
         # ---- down: h = round(h + Wd act)
-        _wait(cnt_ptr + q, base * G, err_ptr, timeout_ns)
+        wait_counter(cnt_ptr + q, base * G, err_ptr, timeout_ns, 0)
         if STALL:
             if (q + 1 == stall_op) & (pid == 0):
-                _stall(stall_ns, stamp_ptr)
+                stall(stall_ns, stamp_ptr)
         xa = gl.load(act_ptr + d_k, mask=d_ok, other=0.0, cache_modifier=".cg").to(gl.float32)
         for r in range(n_d):
             _issue(ring, s + NBUF - 1, wgu_ptr, wd_ptr, layer0, n_layers, n_gu, n_mine, pid, G,
@@ -209,7 +174,7 @@ def _mlp_ring_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_ptr
                 hr = gl.load(hrow + rr, cache_modifier=".cg").to(gl.float32)
                 gl.store(hrow + rr, (hr + y).to(hv.dtype))
             s += 1
-        _signal(cnt_ptr + q + 1)
+        signal(cnt_ptr + q + 1, 1)
     ac.wait_group(0)
     gl.store(epoch_ptr + pid, base)
 
