@@ -342,6 +342,7 @@ class TritonBackend(Backend):
 
     def begin_sampling(self, params: SamplingParams, history_ids: Sequence[int]) -> None:
         from tritonchat.kernels import sampling as S
+        self._check_persistent_step()       # a persistent step switched on live: its first answer
         self._params = params
         self.sampler_params.copy_(torch.tensor(S.params_from_sampling(params), dtype=torch.float32))
         self.counts.zero_()
@@ -625,7 +626,9 @@ class TritonBackend(Backend):
     def _check_persistent_step(self) -> None:
         """The persistent kernel's deadlock guard: a counter wait that ran out of time (its
         programs not all resident after all) lets the kernel finish with a flag set instead of
-        hanging. Then its results cannot be trusted: decode per operator from now on, said once."""
+        hanging. Then its results cannot be trusted: decode per operator from now on, said once.
+        Warm-up looks at the flag once its steps ran, and every answer before it samples (a
+        step switched on in the settings between answers is caught after its first answer)."""
         step = self.decode_step
         if self.options.decode_mode != "persistent" or not step.errored():
             return

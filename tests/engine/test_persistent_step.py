@@ -266,6 +266,28 @@ def test_a_timed_out_wait_after_warm_up_falls_back_to_per_op(ckpt, capsys):
 
 
 @interpreter_only
+def test_a_timed_out_wait_after_a_live_switch_falls_back_at_the_next_answer(ckpt, capsys):
+    """Switched on between answers (the settings), the persistent step has no warm-up: the next
+    answer looks at the deadlock guard's flag before it samples, and decodes per operator."""
+    if "default" not in str(ckpt):
+        pytest.skip("one checkpoint is enough here")
+    _, be = _backend(ckpt, "per_op", graph=False)
+    be.configure(decode_mode="persistent")
+    assert type(be.decode_step).__name__ == "PersistentStep"
+    be.prefill([3, 5, 7])
+    be.begin_sampling(GREEDY, [3, 5, 7])
+    be.step(be.sample())                            # the first answer's step
+    assert be.decode_mode_error is None
+    be.decode_step.err.fill_(1)                     # what wait_counter writes on a timeout
+    be.begin_sampling(GREEDY, [3, 5, 7])
+    assert type(be.decode_step).__name__ == "DecodeStep" and be.options.decode_mode == "per_op"
+    assert "timed out" in be.decode_mode_error
+    tok = be.step(be.sample())                      # decoding goes on, per operator
+    assert 0 <= tok < be.cfg.vocab_size
+    assert capsys.readouterr().err.count("timed out waiting for its own programs") == 1
+
+
+@interpreter_only
 def test_decode_mode_switch_rebuilds_the_step(ckpt):
     """configure(decode_mode=...) swaps the step (and drops the graphs); an unknown mode is an
     OptionError; the per-operator step is the default."""
