@@ -707,11 +707,7 @@ class Runner:
             self.G_ph = (1, 1)
         else:
             self.G_ph = (args.cpu_programs,) * 2
-        self.G = max(self.G_ph)
-        self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
-        self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
-        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._init_sync(max(self.G_ph))
         esz = torch.empty((), dtype=chain.dtype).element_size()
         if (v.pf or v.ahead) and esz != 2 and not INTERPRET:
             raise ValueError("the L2 prefetch variants assume 2-byte weights")
@@ -719,8 +715,18 @@ class Runner:
         self.meta = self.metas[0]
         self.pdl = bool(v.pdl and v.mode == "phase" and self.is_cuda and not INTERPRET
                         and torch.cuda.get_device_capability(dev)[0] >= 9)
+
+    def _init_sync(self, G):
+        """A grid of G programs' ordering state: counters (one an operator), epoch slots, the
+        spin-timeout flag, the stall's stamp; no stall, no occupancy checked yet."""
+        dev = self.c.device
+        self.G = G
+        self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(G, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
         self.stall_op, self.stall_ns = -1, 0
-        self.timeout_ns = int(args.spin_timeout_ms * 1e6)
+        self.timeout_ns = int(self.args.spin_timeout_ms * 1e6)
         self.occupancy = None
 
     # -------------------------------------------------------------------- baseline ----
@@ -748,24 +754,17 @@ class Runner:
             raise ValueError("the ring variants are Gluon kernels: they need a GPU")
         import persistent_mlp_ring as R
         c, v = self.c, self.v
-        self.R, self.ring_bn = R, 4              # gate rows a page (and warps)
-        bad = R.shape_error(c.H, c.I, self.ring_bn)
+        self.R = R
+        bad = R.shape_error(c.H, c.I, R.BN_GU)
         if bad:
             raise ValueError(bad)
-        dev = c.device
         self.ppsm = v.ppsm or 1
-        self.G = torch.cuda.get_device_properties(dev).multi_processor_count * self.ppsm
-        if self.G > c.H // R.bn_d(c.H, c.I, self.ring_bn):
-            raise ValueError(f"a grid of {self.G} leaves programs without down tasks")
-        self.G_ph = (self.G, self.G)
-        self.cnt = torch.zeros(2 * self.nl + 1, dtype=torch.int32, device=dev)
-        self.epoch = torch.zeros(self.G, dtype=torch.int32, device=dev)
-        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.stamp = torch.zeros(4, dtype=torch.int64, device=dev)
+        G = torch.cuda.get_device_properties(c.device).multi_processor_count * self.ppsm
+        if G > c.H // R.bn_d(c.H, c.I, R.BN_GU):
+            raise ValueError(f"a grid of {G} leaves programs without down tasks")
+        self._init_sync(G)
+        self.G_ph = (G, G)
         self.pdl = False
-        self.stall_op, self.stall_ns = -1, 0
-        self.timeout_ns = int(self.args.spin_timeout_ms * 1e6)
-        self.occupancy = None
 
     def _ring_args(self, s):
         c = self.c
@@ -804,7 +803,7 @@ class Runner:
                 self._launch(s, 0, l)
                 self._launch(s, 1, l)
         elif v.mode == "ring":
-            self.R.launch(self.G, *self._ring_args(s), bn_gu=self.ring_bn, nbuf=v.nbuf)
+            self.R.launch(self.G, *self._ring_args(s), nbuf=v.nbuf)
         else:
             self._launch(s, -1, 0)
 
@@ -818,9 +817,8 @@ class Runner:
         self.occupancy = dict(grid=self.G)      # filled in place, also when it cannot fit
         if self.v.mode == "ring":
             return check_co_resident(
-                lambda: self.R.warmup(self.G, *self._ring_args(0), bn_gu=self.ring_bn,
-                                      nbuf=self.v.nbuf),
-                self.ring_bn, c.device, self.ppsm, self.occupancy)
+                lambda: self.R.warmup(self.G, *self._ring_args(0), nbuf=self.v.nbuf),
+                self.R.BN_GU, c.device, self.ppsm, self.occupancy)
         return check_co_resident(
             lambda: _mlp_chain_kernel.warmup(
                 c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
@@ -849,7 +847,7 @@ def compile_only(args, variants):
             continue
         if v.mode == "ring":
             import persistent_mlp_ring as R
-            const, nwarps = R.constexprs(args.hidden, args.inter, 4, v.nbuf)
+            const, nwarps = R.constexprs(args.hidden, args.inter, v.nbuf)
             rsig = {k: t for k, t in sig.items() if k not in ("phase_layer",)}
             info = compile_sm90(R._mlp_ring_kernel, rsig, const, nwarps, _ptx_counts)
             out[f"{v.name}/PHASE=-1"] = info

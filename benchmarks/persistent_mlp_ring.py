@@ -179,31 +179,33 @@ def _mlp_ring_kernel(h_ptr, act_ptr, nw_ptr, wgu_ptr, wd_ptr, cnt_ptr, epoch_ptr
     gl.store(epoch_ptr + pid, base)
 
 
+BN_GU = 4           # gate|up row pairs a page, and the warps of a program
+
+
+def constexprs(H, I, nbuf, stall=True):
+    """The kernel's constexprs for hidden size H, intermediate I and a ring of nbuf pages, and
+    its num_warps."""
+    return dict(H=H, I=I, BN_GU=BN_GU, BN_D=bn_d(H, I, BN_GU), NBUF=nbuf, STALL=stall), BN_GU
+
+
 def _call(grid, h, act, nw, wgu, wd, cnt, epoch, err, stamp, n_layers, layer0, eps, stall_op,
-          stall_ns, timeout_ns, bn_gu, nbuf, stall):
-    H, I = wgu.shape[-1], wd.shape[-1]
+          stall_ns, timeout_ns, nbuf, stall):
+    const, num_warps = constexprs(wgu.shape[-1], wd.shape[-1], nbuf, stall)
     return ((h, act, nw, wgu, wd, cnt, epoch, err, stamp, n_layers, layer0, grid, eps, stall_op,
-             stall_ns, timeout_ns),
-            dict(H=H, I=I, BN_GU=bn_gu, BN_D=bn_d(H, I, bn_gu), NBUF=nbuf, STALL=stall,
-                 num_warps=bn_gu))
+             stall_ns, timeout_ns), dict(const, num_warps=num_warps))
 
 
-def launch(grid, *args, bn_gu, nbuf, stall=True):
+def launch(grid, *args, nbuf, stall=True):
     """One chain on `grid` programs (co-resident: one an SM holds one deep ring); args are the
     kernel's runtime arguments from h to timeout_ns, G left out (= grid)."""
-    pos, kw = _call(grid, *args, bn_gu, nbuf, stall)
+    pos, kw = _call(grid, *args, nbuf, stall)
     _mlp_ring_kernel[(grid,)](*pos, **kw)
 
 
-def warmup(grid, *args, bn_gu, nbuf, stall=True):
+def warmup(grid, *args, nbuf, stall=True):
     """The compiled kernel of launch()'s arguments, without launching it."""
-    pos, kw = _call(grid, *args, bn_gu, nbuf, stall)
+    pos, kw = _call(grid, *args, nbuf, stall)
     return _mlp_ring_kernel.warmup(*pos, grid=(grid,), **kw)
-
-
-def constexprs(H, I, bn_gu, nbuf):
-    """The kernel's constexprs and num_warps (the offline compile)."""
-    return dict(H=H, I=I, BN_GU=bn_gu, BN_D=bn_d(H, I, bn_gu), NBUF=nbuf, STALL=True), bn_gu
 
 
 def bn_d(H, I, bn_gu):
