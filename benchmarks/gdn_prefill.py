@@ -43,7 +43,7 @@ OLD_FILES = ("conv1d.py", "gdn_chunk.py")
 # main's tuned conv tiles at T = 2048 and 8192 on the H200 (its table entry went with the kernel)
 OLD_CONV_CONFIG = dict(BLOCK_C=128, BLOCK_T=32, ROW_TILES=1, num_warps=4)
 TRUE = dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, kc=4)
-TINY = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=24, kc=4)   # dk 32: state_form 2 runs
+TINY = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=24, kc=4)
 
 
 def parse_args(argv=None):
@@ -123,24 +123,15 @@ def new_fn(mod, L: Layer, t_dev=None, config=None):
 
 def new_variants(mod, L: Layer) -> dict:
     """The launch config gdn_prefill picks at this T (table or built-in) and the alternatives
-    to time against it: the batched diagonal-block solve, 8 prepare warps (fewer spills), the
-    prepare split in two launches (prep_split = 2), the state pass on two K halves with the
-    next chunk's tiles loaded ahead (state_form = 2, also with wider V tiles and 8 warps: a
-    [64, BV] half fits in registers), and the two together."""
+    to time against it: the other diagonal-block solve, the other prepare / output warp
+    counts, and both."""
     d = L.dims
     cfg = mod.gdn_config(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"], L.T)
-    v = {"picked": cfg, "solve2": dict(cfg, solve=2), "prep8": dict(cfg, prep_warps=8),
-         "solve2_prep8": dict(cfg, solve=2, prep_warps=8),
-         "split2": dict(cfg, prep_split=2), "split2_prep8": dict(cfg, prep_split=2, prep_warps=8),
-         "split2_solve2": dict(cfg, prep_split=2, solve=2)}
-    if max(16, mod.next_pow2(d["head_k_dim"])) >= 32:          # state_form 2 halves the padded dk
-        v.update({"state2": dict(cfg, state_form=2),
-                  "state2_w8": dict(cfg, state_form=2, state_warps=8),
-                  "state2_bv32_w8": dict(cfg, state_form=2, BV=32, state_warps=8),
-                  "state2_bv64_w8": dict(cfg, state_form=2, BV=64, state_warps=8),
-                  "split2_state2": dict(cfg, prep_split=2, state_form=2),
-                  "split2_state2_w8": dict(cfg, prep_split=2, state_form=2, state_warps=8)})
-    return v
+    other = lambda w: 4 if w == 8 else 8
+    return {"picked": cfg, "solve": dict(cfg, solve=3 - cfg["solve"]),
+            "prep_warps": dict(cfg, prep_warps=other(cfg["prep_warps"])),
+            "out_warps": dict(cfg, out_warps=other(cfg["out_warps"])),
+            "solve_prep_warps": dict(cfg, solve=3 - cfg["solve"], prep_warps=other(cfg["prep_warps"]))}
 
 
 def old_fn(conv_mod, gdn_mod, L: Layer, t_dev=None):
@@ -219,7 +210,7 @@ def _regs_spills(mod, cfg: dict, fn) -> dict:
     """{launch: (registers, spilled bytes)} of the kernels one call of fn compiles or reuses
     with cfg, on the device's own Triton (a launch returns its compiled kernel)."""
     stats = {}
-    launches = mod.gdn_launches(cfg)
+    launches = mod.gdn_launches()
     saved = [k.run for _, k in launches]
 
     def capture(name, run):
@@ -293,12 +284,11 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
                 v = r["variants"][name] = dict(config=cfg, vs_picked=_compare(_result(L, t), got))
                 v["ms"] = _ms(new_fn(new_mod, L, None, cfg), args, graph=True)
                 if args.device != "cpu":
-                    names, k = zip(*new_mod.gdn_launches(cfg))
+                    names, k = zip(*new_mod.gdn_launches())
                     v["split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L, None, cfg), args)))
                     v["regs_spills"] = _regs_spills(new_mod, cfg, new_fn(new_mod, L, None, cfg))
         if args.device != "cpu" and form == "plain":
-            names, k = zip(*new_mod.gdn_launches(new_mod.gdn_config(L.hv, L.dims["head_k_dim"],
-                                                                   L.dims["head_v_dim"], T)))
+            names, k = zip(*new_mod.gdn_launches())
             r["new_split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L), args)))
             if old is not None:
                 conv_mod, gdn_mod = old

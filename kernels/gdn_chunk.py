@@ -34,11 +34,7 @@ Three launches:
   1. prepare  (chunks x heads, parallel): conv of k and v, l2norm, gates, gamma, L, blocked
      inverse, W, U, decayed K; the first chunk's programs also copy the old conv state of their
      channels to scratch (launch 3 reads it there, while it rewrites the real one)
-     (prep_split = 2: two launches, FLA style: 1a the conv of k, gates, gamma, L and Tinv,
-     stored per chunk and head as a [C, C] tile in the activation dtype; 1b k and v convolved
-     again, W, U and decayed K from the stored Tinv: fewer live tiles in each kernel)
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
-     (state_form = 2: S as two halves along K, the next chunk's tiles loaded ahead)
   3. output   (chunks x heads, parallel): conv of q and k again (4 taps a value: cheaper than
      storing them in launch 1 and reading them back), O, the gated RMSNorm into `out`; the first
      chunk's programs write the new conv state of their channels
@@ -73,15 +69,9 @@ L2NORM_EPS = 1e-6
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 # Forward substitution works on diagonal blocks of this many rows (tl.dot's minimum tile).
 SUB_BLOCK = 16
-# launch knobs: V-tile of the sequential state pass, the warps/stages of the launches, the
-# prepare's diagonal-block solve (1: in the C x C tile, 2: as a batch of BC x BC blocks), the
-# prepare in 1 launch or split in 2 (the inverse, then W / U / decayed K: fewer live tiles per
-# kernel; both at prep_warps), and the state pass's form (1: S as one [DKP, BV] tile, 2: two
-# [DKP/2, BV] halves with the next chunk's tiles loaded ahead of the dots; needs DKP >= 32)
-GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve",
-            "prep_split", "state_form")
-# the table's entries written before prep_split / state_form carry the first six keys only
-_GDN_KEYS_V1 = GDN_KEYS[:6]
+# launch knobs: V-tile of the sequential state pass, the warps/stages of the launches, and the
+# prepare's diagonal-block solve (1: in the C x C tile, 2: as a batch of BC x BC blocks)
+GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
 
 
 def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
@@ -96,15 +86,15 @@ def _gdn_default_config(dkp: int, dvp: int) -> dict:
     on the state, so two stages prefetch the next chunk under the current one's dots."""
     big = max(dkp, dvp) >= 128
     return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
-                out_warps=8 if big else 4, solve=1, prep_split=1, state_form=1)
+                out_warps=8 if big else 4, solve=1)
 
 
 def gdn_config(hv: int, dk: int, dv: int, T: int, table: Optional[str] = TUNING_PATH) -> dict:
-    """The launch config gdn_prefill runs at T without an override: the tile table's entry
-    (an entry of the six older keys means prep_split = state_form = 1), else the built-in."""
+    """The launch config gdn_prefill runs at T without an override: the tile table's entry,
+    else the built-in."""
     name = gdn_kernel_name(hv, dk, dv)
     default = _gdn_default_config(max(16, next_pow2(dk)), max(16, next_pow2(dv)))
-    cfg = tuned_config(name, T, GDN_KEYS, table) or tuned_config(name, T, _GDN_KEYS_V1, table)
+    cfg = tuned_config(name, T, GDN_KEYS, table)
     return dict(default, **cfg) if cfg else default
 
 
@@ -303,7 +293,6 @@ def _gdn_chunk_prepare_kernel(
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
         DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
-    # prep_split = 1: the whole prepare in one launch
     act = w_ptr.dtype.element_ty
     k, beta, gam, gam_last, Tinv = _chunk_inverse(
         m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr, gam_ptr,
@@ -328,67 +317,6 @@ def _gdn_chunk_prepare_kernel(
     v = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
                    stride_m, KC, CHUNK, DVP, act)
     u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
-    tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
-
-
-@triton.jit
-def _gdn_chunk_inverse_kernel(
-        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
-        gam_ptr, tinv_ptr,
-        T, T_pad, stride_m, stride_b, stride_a,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
-        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-        DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
-    # prep_split = 2, launch A: gamma and Tinv ([C, C] per chunk and head, activation dtype)
-    act = tinv_ptr.dtype.element_ty
-    k, beta, gam, gam_last, Tinv = _chunk_inverse(
-        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, cs_old_ptr, a_log_ptr, dt_bias_ptr, t_ptr, gam_ptr,
-        T, T_pad, stride_m, stride_b, stride_a, act, HK, GROUP, DK, DV, DKP, DVP, CHUNK, BC,
-        KC, KM1P, T_DEV, SOLVE, DOT_PREC, PDL)
-    head_rows = tl.program_id(1).to(tl.int64) * T_pad + tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    tl.store(tinv_ptr + head_rows[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :], Tinv.to(act))
-
-
-@triton.jit
-def _gdn_chunk_wu_kernel(
-        m_ptr, b_ptr, cw_ptr, cs_ptr, t_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, kd_ptr,
-        T, T_pad, stride_m, stride_b,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-        T_DEV: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
-    # prep_split = 2, launch B: k and v convolved again (4 taps a value), beta again, then
-    # W = Tinv diag(beta e^gamma) K, U = Tinv diag(beta) V and the decayed keys
-    pdl_start(PDL)
-    i_t = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    act = w_ptr.dtype.element_ty
-    offs_k = tl.arange(0, DKP)
-    offs_v = tl.arange(0, DVP)
-    if PDL != 0:    # the taps of k and v into L2
-        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
-        _prefetch_span(cw_ptr + (2 * HK * DK + h * DV) * KC, DV * KC)
-    pdl_wait(PDL)
-    t = _real_rows(t_ptr, T, T_DEV)
-    rows = i_t * CHUNK + tl.arange(0, CHUNK)
-    real = rows < t
-    head_rows = h.to(tl.int64) * T_pad + rows
-
-    k = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, HK * DK + hk * DK + offs_k, offs_k < DK,
-                   stride_m, KC, CHUNK, DKP, act)
-    k = _l2norm_rows(k)
-    beta = _beta(b_ptr, rows, real, h, stride_b)
-    gam = tl.load(gam_ptr + head_rows)
-    gam_last = tl.load(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1)
-    kd = k * tl.exp(gam_last - gam)[:, None]                      # decay to the chunk end, <= 1
-    tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
-    Tinv = tl.load(tinv_ptr + head_rows[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
-    w = tl.dot(Tinv, (k * (beta * tl.exp(gam))[:, None]).to(act), input_precision=DOT_PREC)
-    tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
-    v = _conv_silu(m_ptr, cw_ptr, cs_ptr, rows, real, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
-                   stride_m, KC, CHUNK, DVP, act)
-    u = tl.dot(Tinv, (v * beta[:, None]).to(act), input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
 
 
@@ -426,70 +354,6 @@ def _gdn_chunk_state_kernel(
         S = S * decay_last + tl.dot(tl.trans(kd), vn, input_precision=DOT_PREC)
 
     tl.store(s_ptrs, S, mask=s_mask)
-
-
-@triton.jit
-def _gdn_chunk_state_halves_kernel(
-        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
-        NT, T_pad,
-        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr = 0):
-    # state_form = 2: S carried as two [DKP/2, BV] halves along K (S = [S1; S2]), and the next
-    # chunk's W / U / decayed-K tiles and decay loaded before this chunk's dots (they do not
-    # depend on S), so a sequential step waits on the two dot pairs only:
-    #     Vn = U - W1 S1 - W2 S2,    Sx <- e^gamma_last Sx + Kdx^T Vn
-    HALF: tl.constexpr = DKP // 2
-    pdl_start(PDL)
-    i_v = tl.program_id(0)
-    h = tl.program_id(1)
-    act = w_ptr.dtype.element_ty
-    offs_k = tl.arange(0, HALF)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_c = tl.arange(0, CHUNK)
-    v_ok = (offs_v < DV)[None, :]
-
-    s1_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    s2_ptrs = s1_ptrs + HALF * DV
-    pdl_wait(PDL)
-    S1 = tl.load(s1_ptrs, mask=(offs_k < DK)[:, None] & v_ok, other=0.0).to(tl.float32)
-    S2 = tl.load(s2_ptrs, mask=(offs_k + HALF < DK)[:, None] & v_ok, other=0.0).to(tl.float32)
-
-    head0 = h.to(tl.int64) * T_pad
-    rows = head0 + offs_c
-    w1 = tl.load(w_ptr + rows[:, None] * DKP + offs_k[None, :])
-    w2 = tl.load(w_ptr + rows[:, None] * DKP + HALF + offs_k[None, :])
-    u = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])
-    kd1 = tl.load(kd_ptr + rows[:, None] * DKP + offs_k[None, :])
-    kd2 = tl.load(kd_ptr + rows[:, None] * DKP + HALF + offs_k[None, :])
-    decay_last = tl.exp(tl.load(gam_ptr + head0 + CHUNK - 1))
-    for i_t in range(0, NT):
-        # the next chunk's tiles (the last step reloads its own: in bounds, unused)
-        nxt = head0 + tl.minimum(i_t + 1, NT - 1) * CHUNK
-        rows_n = nxt + offs_c
-        w1_n = tl.load(w_ptr + rows_n[:, None] * DKP + offs_k[None, :])
-        w2_n = tl.load(w_ptr + rows_n[:, None] * DKP + HALF + offs_k[None, :])
-        u_n = tl.load(u_ptr + rows_n[:, None] * DVP + offs_v[None, :])
-        kd1_n = tl.load(kd_ptr + rows_n[:, None] * DKP + offs_k[None, :])
-        kd2_n = tl.load(kd_ptr + rows_n[:, None] * DKP + HALF + offs_k[None, :])
-        decay_n = tl.exp(tl.load(gam_ptr + nxt + CHUNK - 1))
-
-        h_ptrs = h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :]
-        S1q = S1.to(act)
-        S2q = S2.to(act)
-        tl.store(h_ptrs, S1q)
-        tl.store(h_ptrs + HALF * DVP, S2q)
-        vn = tl.dot(w1, S1q, input_precision=DOT_PREC)
-        vn = tl.dot(w2, S2q, vn, input_precision=DOT_PREC)
-        vn = (u.to(tl.float32) - vn).to(act)
-        tl.store(vn_ptr + (head0 + i_t * CHUNK + offs_c)[:, None] * DVP + offs_v[None, :], vn)
-        S1 = tl.dot(tl.trans(kd1), vn, S1 * decay_last, input_precision=DOT_PREC)
-        S2 = tl.dot(tl.trans(kd2), vn, S2 * decay_last, input_precision=DOT_PREC)
-
-        w1, w2, u, kd1, kd2, decay_last = w1_n, w2_n, u_n, kd1_n, kd2_n, decay_n
-
-    tl.store(s1_ptrs, S1, mask=(offs_k < DK)[:, None] & v_ok)
-    tl.store(s2_ptrs, S2, mask=(offs_k + HALF < DK)[:, None] & v_ok)
 
 
 @triton.jit
@@ -567,15 +431,10 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
-def gdn_launches(cfg: dict) -> list[tuple[str, object]]:
-    """(name, kernel) of the launches gdn_prefill runs with the full config cfg, in order (for
-    timing them one by one)."""
-    if cfg["prep_split"] == 1:
-        prep = [("prepare", _gdn_chunk_prepare_kernel)]
-    else:
-        prep = [("inverse", _gdn_chunk_inverse_kernel), ("w_u", _gdn_chunk_wu_kernel)]
-    state = _gdn_chunk_state_kernel if cfg["state_form"] == 1 else _gdn_chunk_state_halves_kernel
-    return prep + [("state", state), ("output", _gdn_chunk_output_kernel)]
+def gdn_launches() -> list[tuple[str, object]]:
+    """(name, kernel) of the launches gdn_prefill runs, in order (for timing them one by one)."""
+    return [("prepare", _gdn_chunk_prepare_kernel), ("state", _gdn_chunk_state_kernel),
+            ("output", _gdn_chunk_output_kernel)]
 
 
 def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -651,39 +510,22 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
     conv_old = torch.empty_like(conv_state)
 
-    # an override may leave out the later keys (prep_split, state_form): they default to 1
-    cfg = {"prep_split": 1, "state_form": 1, **config} if config is not None else gdn_config(hv, dk, dv, T, table)
+    cfg = dict(config) if config is not None else gdn_config(hv, dk, dv, T, table)
     bv = min(cfg["BV"], dvp)
     if bv < 16 or dvp % bv:
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
     if cfg["solve"] not in (1, 2):
         raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
-    if cfg["prep_split"] not in (1, 2):
-        raise ValueError(f"prep_split must be 1 or 2, got {cfg['prep_split']}")
-    if cfg["state_form"] not in (1, 2) or (cfg["state_form"] == 2 and dkp < 32):
-        raise ValueError(f"state_form must be 1 or 2 (2 needs a padded dk >= 32), got {cfg['state_form']}")
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
     pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
-    if cfg["prep_split"] == 1:
-        _gdn_chunk_prepare_kernel[(nt, hv)](
-            qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
-            T, t_pad, qkv.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
-    else:
-        tinv = torch.empty(hv, t_pad, chunk, dtype=act, device=dev)
-        _gdn_chunk_inverse_kernel[(nt, hv)](
-            qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, tinv,
-            T, t_pad, qkv.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-            SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
-        _gdn_chunk_wu_kernel[(nt, hv)](
-            qkv, b, conv_w, conv_state, t_arg, gam, tinv, w_buf, u_buf, kd_buf,
-            T, t_pad, qkv.stride(0), b.stride(0), **heads, KC=kc, T_DEV=t_dev is not None,
-            DOT_PREC=prec, num_warps=cfg["prep_warps"], **pdl_kw)
-    state_kernel = _gdn_chunk_state_kernel if cfg["state_form"] == 1 else _gdn_chunk_state_halves_kernel
-    state_kernel[(dvp // bv, hv)](
+    _gdn_chunk_prepare_kernel[(nt, hv)](
+        qkv, b, a, conv_w, conv_state, conv_old, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
+        T, t_pad, qkv.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
+        SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
+    _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"], **pdl_kw)

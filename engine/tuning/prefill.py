@@ -73,17 +73,12 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
 
 
 def gdn_grid(quick: bool) -> list[dict]:
-    # state_form 2 (two K halves of S, the next chunk loaded ahead) also at 8 state warps and
-    # BV 64, where a [64, BV] half still fits in registers; the one-tile form at 4 warps, BV <= 32
-    g = _grid(BV=[16, 32, 64], prep_warps=[4, 8], state_warps=[4, 8], state_stages=[2, 3],
-              out_warps=[4, 8], solve=[1, 2], prep_split=[1, 2], state_form=[1, 2])
-    g = [c for c in g if c["state_form"] == 2 or (c["state_warps"] == 4 and c["BV"] <= 32)]
-    g = [c for c in g if c["state_form"] == 1 or c["state_stages"] == 2]   # its own look-ahead
+    g = _grid(BV=[16, 32], prep_warps=[4, 8], state_warps=[4], state_stages=[2, 3],
+              out_warps=[4, 8], solve=[1, 2])
     if quick:
         g = [c for c in g if c["prep_warps"] == c["out_warps"]
              and (c["prep_warps"] == 8 or (c["BV"], c["state_stages"]) == (16, 2))
-             and (c["state_stages"] == 2 or c["BV"] == 16)
-             and (c["state_form"] == 1 or c["state_warps"] == 8) and c["BV"] <= 32]
+             and (c["state_stages"] == 2 or c["BV"] == 16)]
     return g
 
 
@@ -242,13 +237,9 @@ def launch_split(kernels, measure) -> list[float]:
 
 
 def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
-    """Time the GDN launches alone (prepare, or inverse / w_u, then state / output) with `cfg`
-    (None: the built-in), by running with the later launches removed: differences of
-    cumulative prefixes."""
-    c = bench.cfg
-    full = cfg or gdn_mod.gdn_config(c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim, bench.T, table=None)
-    names, kernels = zip(*gdn_mod.gdn_launches(full))
+    """Time the GDN launches alone (prepare, state, output) with `cfg` (None: the built-in),
+    by running with the later launches removed: differences of cumulative prefixes."""
+    names, kernels = zip(*gdn_mod.gdn_launches())
     own = launch_split(kernels, lambda: _time(bench.gdn_fn(cfg), quick))
     return " | ".join(f"{n} {t * 1e3:.1f} us" for n, t in zip(names, own))
 

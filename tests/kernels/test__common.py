@@ -165,12 +165,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     gdn = dict(a_log_ptr="*fp32", t_ptr="*i32", gam_ptr="*fp32", state_ptr="*fp32")
     heads = dict(HK=16, GROUP=1, DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, DOT_PREC="tf32", PDL=1)
     conv = dict(KC=4, KM1P=4, T_DEV=True)
-    for fn in (GC._gdn_chunk_prepare_kernel, GC._gdn_chunk_inverse_kernel):
-        prefill(fn, gdn, dict(heads, BC=16, SOLVE=1, **conv), 8)
-    prefill(GC._gdn_chunk_wu_kernel, gdn, dict(heads, KC=4, T_DEV=True), 4)
+    prefill(GC._gdn_chunk_prepare_kernel, gdn, dict(heads, BC=16, SOLVE=1, **conv), 8)
     state = dict(DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, BV=16, DOT_PREC="tf32", PDL=1)
-    for fn in (GC._gdn_chunk_state_kernel, GC._gdn_chunk_state_halves_kernel):
-        prefill(fn, gdn, state, 4, 2)
+    prefill(GC._gdn_chunk_state_kernel, gdn, state, 4, 2)
     prefill(GC._gdn_chunk_output_kernel, gdn, dict(heads, **conv), 8)
     prefill(FA._kv_cache_write_kernel, dict(inv_freq_ptr="*fp32", start_pos="*i32"),
             dict(HD=256, HDP=256, ROT=64, BLOCK_T=16, START_PTR=True, PDL=1), 4)

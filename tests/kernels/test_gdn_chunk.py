@@ -143,32 +143,18 @@ def test_gdn_batched_block_solve(T, chunk, dtype):
     _assert_close(st, st1, dtype)
 
 
-# prep_split = 2 (the prepare as the inverse launch, then W / U / decayed K from the stored Tinv),
-# state_form = 2 (the state pass on two K halves, the next chunk's tiles loaded ahead), and both
-SPLIT_FORMS = [(2, 1), (1, 2), (2, 2)]
 _BASE_CFG = dict(BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
-@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
-def test_gdn_prep_split_and_state_form(prep_split, state_form, T, dtype):
-    """Each new variant against the reference (grouped value heads, both start states random)."""
-    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
-    _check(_inputs(T, SMALL, dtype, seed=T), SMALL, dtype, config=cfg)
-
-
-@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
 @pytest.mark.parametrize("T,t", [(64, 0), (64, 40), (128, 65), (130, 129)])
-def test_gdn_prep_split_and_state_form_padding(T, t, prep_split, state_form):
-    """Rows >= t_dev[0] stay inert in the new variants: the t real rows alone, pad outputs 0."""
+def test_gdn_padding_rows_are_inert(T, t):
+    """Rows >= t_dev[0] stay inert: the t real rows alone, pad outputs 0."""
     inputs = _inputs(T, SMALL, torch.float32, seed=T + t + 7)
     t_dev = torch.tensor([t], dtype=torch.int32, device=DEVICE)
-    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
-    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev, config=cfg)
+    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev, config=_BASE_CFG)
     assert torch.all(out[t:] == 0)
     if t:
-        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL, config=cfg)
+        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL, config=_BASE_CFG)
         _assert_close(out[:t], alone, torch.float32)
         _assert_close(st, st_alone, torch.float32)
         assert torch.equal(cst, cst_alone)
@@ -177,37 +163,34 @@ def test_gdn_prep_split_and_state_form_padding(T, t, prep_split, state_form):
 
 
 @pytest.mark.parametrize("bv,solve,chunk", [(32, 2, 64), (64, 1, 64), (16, 2, 32)])
-def test_gdn_prep_split_and_state_form_with_other_knobs(bv, solve, chunk):
-    """Both new variants on with wider V tiles, the batched block solve, a smaller chunk; and
-    the model's layout (dk = dv = 128: halves of 64) at a small head count."""
+def test_gdn_other_knobs(bv, solve, chunk):
+    """Wider V tiles, the batched block solve, a smaller chunk."""
     inputs = _inputs(70, SMALL, torch.float32, seed=bv + solve + chunk)
-    cfg = dict(_BASE_CFG, BV=bv, solve=solve, prep_split=2, state_form=2)
-    _check(inputs, SMALL, torch.float32, chunk=chunk, config=cfg)
+    _check(inputs, SMALL, torch.float32, chunk=chunk, config=dict(_BASE_CFG, BV=bv, solve=solve))
 
 
-def test_gdn_state_halves_model_layout():
+def test_gdn_model_head_dims():
+    """The model's head dims (dk = dv = 128) at a small head count."""
     dims = dict(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128)
-    cfg = dict(_BASE_CFG, BV=32, prep_split=2, state_form=2)
-    _check(_inputs(66, dims, torch.float32, seed=13), dims, torch.float32, config=cfg)
+    _check(_inputs(66, dims, torch.float32, seed=13), dims, torch.float32, config=dict(_BASE_CFG, BV=32))
 
 
-def test_gdn_config_reads_older_table_entries(tmp_path):
-    """gdn_config: a table entry of the six keys from before prep_split / state_form means
-    1 / 1; an entry of all GDN_KEYS is taken as it is; no entry: the built-in config."""
+def test_gdn_config_reads_the_table(tmp_path):
+    """gdn_config: an entry of exactly GDN_KEYS is taken as it is; one with other keys (a
+    retired knob) is not; no entry: the built-in config."""
     import json
     from tritonchat.kernels import gdn_chunk
     from tritonchat.kernels.gemm import clear_tuning_cache
-    old = dict(BV=32, prep_warps=4, state_warps=4, state_stages=3, out_warps=4, solve=2)
-    new = dict(old, BV=64, prep_split=2, state_form=2)
+    entry = dict(BV=32, prep_warps=4, state_warps=4, state_stages=3, out_warps=4, solve=2)
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"version": 1, "configs": {
-        gdn_chunk.gdn_kernel_name(4, 24, 40): {"2048": old, "8192": new}}}))
+        gdn_chunk.gdn_kernel_name(4, 24, 40): {"2048": entry, "8192": dict(entry, state_form=2)}}}))
     clear_tuning_cache()
     try:
-        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == dict(old, prep_split=1, state_form=1)
-        assert gdn_chunk.gdn_config(4, 24, 40, 8192, str(path)) == new
         builtin = gdn_chunk.gdn_config(4, 24, 40, 2048, None)
-        assert set(builtin) == set(gdn_chunk.GDN_KEYS) and (builtin["prep_split"], builtin["state_form"]) == (1, 1)
+        assert set(builtin) == set(gdn_chunk.GDN_KEYS) and builtin != entry
+        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == entry
+        assert gdn_chunk.gdn_config(4, 24, 40, 8192, str(path)) == builtin
     finally:
         clear_tuning_cache()
 
@@ -353,37 +336,27 @@ def test_gdn_rejects_bad_arguments():
     with pytest.raises(ValueError):
         gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out, config=dict(
             BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=3), **kw)
-    for bad in (dict(prep_split=0), dict(prep_split=3), dict(state_form=3)):
-        with pytest.raises(ValueError):
-            gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
-                        config=dict(_BASE_CFG, **bad), **kw)
-    tiny = dict(num_k_heads=1, num_v_heads=1, head_k_dim=8, head_v_dim=8)   # padded dk 16: no halves
-    ti = _inputs(5, tiny, torch.float32, seed=0)
-    with pytest.raises(ValueError):
-        _run(gdn_prefill, ti, tiny, config=dict(_BASE_CFG, state_form=2))
     with pytest.raises(ValueError):                                         # t_dev must be int32
         gdn_prefill(qkv, z, b, a, conv_w, cst, A_log, dt_bias, state, norm_w, out,
                     t_dev=torch.tensor([3], device=DEVICE), **kw)
 
 
 def _run_pdl(inputs, dims, cfg, pdl, t_dev=None):
-    """_run of gdn_prefill with `pdl`, its launches checked: those gdn_launches names for cfg,
-    in order, each a PDL launch of mode pdl."""
+    """_run of gdn_prefill with `pdl`, its launches checked: those gdn_launches names, in
+    order, each a PDL launch of mode pdl."""
     with launches(gdn_mod) as seen:
         got = _run(gdn_prefill, inputs, dims, config=cfg, t_dev=t_dev, pdl=pdl)
-    assert [k for k, _, _ in seen] == [k.fn.__name__ for _, k in gdn_launches(cfg)]
+    assert [k for k, _, _ in seen] == [k.fn.__name__ for _, k in gdn_launches()]
     assert all(mode == pdl and asked == bool(pdl) for _, mode, asked in seen), seen
     return got
 
 
-@pytest.mark.parametrize("prep_split,state_form,pdl,t", [(1, 1, 1, None), (1, 1, 2, 50), (2, 1, 1, None),
-                                                         (1, 2, 1, 50), (2, 2, 2, None)])
-def test_gdn_pdl_modes_give_the_same_bits(prep_split, state_form, pdl, t):
-    """Every launch form with pdl 1 / 2 (weights loaded or sent to L2 before the wait) leaves
-    the output and both states pdl 0 leaves, with and without padding rows; other pdl values
-    are refused."""
-    inputs = _inputs(70, SMALL, torch.float32, seed=pdl + 3 * prep_split + state_form)
-    cfg = dict(_BASE_CFG, prep_split=prep_split, state_form=state_form)
+@pytest.mark.parametrize("pdl,t", [(1, None), (2, 50), (1, 50), (2, None)])
+def test_gdn_pdl_modes_give_the_same_bits(pdl, t):
+    """pdl 1 / 2 (weights loaded or sent to L2 before the wait) leaves the output and both
+    states pdl 0 leaves, with and without padding rows; other pdl values are refused."""
+    inputs = _inputs(70, SMALL, torch.float32, seed=pdl + 4)
+    cfg = _BASE_CFG
     t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
     plain = _run_pdl(inputs, SMALL, cfg, 0, t_dev)
     got = _run_pdl(inputs, SMALL, cfg, pdl, t_dev)
@@ -432,31 +405,13 @@ def test_gdn_padded_true_shape_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prep_split,state_form", SPLIT_FORMS)
-def test_gdn_prep_split_and_state_form_true_shape_bf16(prep_split, state_form):
-    """The new variants in bf16 at the true shape: Tinv stored in bf16 (prep_split = 2) must
-    keep the default path's error bounds against the fp32 recurrence."""
-    T = 2048
-    inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
-    cfg = dict(_BASE_CFG, BV=32, state_warps=8, prep_split=prep_split, state_form=state_form)
-    out, st, cst = _run(gdn_prefill, inputs, TRUE, config=cfg)
-    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, TRUE)
-    assert torch.isfinite(out).all() and torch.isfinite(st).all()
-    assert torch.equal(cst, cst_ref)
-    assert _rel_err(out, ref) < 1e-2, _rel_err(out, ref)
-    assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
-    assert (out.float() - ref.float()).abs().max().item() < 5e-2 * ref.float().abs().max().item()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prep_split,state_form", [(1, 1)] + SPLIT_FORMS)
 @pytest.mark.parametrize("T,t", [(128, 100), (2048, None)])
-def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t, prep_split, state_form):
-    """On the device: every launch form at the true shape with PDL (its launches overlapping
-    each other's tails) leaves the bits it leaves without PDL, padded and not."""
+def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t):
+    """On the device: the true shape with PDL (its launches overlapping each other's tails)
+    leaves the bits it leaves without PDL, padded and not."""
     pdl = pdl_mode(True, False, DEVICE)
     assert pdl
-    cfg = dict(_BASE_CFG, BV=16, prep_split=prep_split, state_form=state_form)
+    cfg = dict(_BASE_CFG, BV=16)
     t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
     inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
     want = _run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev)
