@@ -75,10 +75,8 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
 def gdn_grid(quick: bool) -> list[dict]:
     g = _grid(BV=[16, 32], prep_warps=[4, 8], state_warps=[4], state_stages=[2, 3],
               out_warps=[4, 8], solve=[1, 2])
-    if quick:
-        g = [c for c in g if c["prep_warps"] == c["out_warps"]
-             and (c["prep_warps"] == 8 or (c["BV"], c["state_stages"]) == (16, 2))
-             and (c["state_stages"] == 2 or c["BV"] == 16)]
+    if quick:       # the prepare and output warps apart: 4 / 8 won at 2,048 and 8,192 (H100)
+        g = [c for c in g if c["state_stages"] == 2 or c["BV"] == 16]
     return g
 
 
