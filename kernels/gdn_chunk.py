@@ -33,7 +33,7 @@ output rows are 0. (The last chunk's rows past T are padding the same way.)
 Three launches:
   1. prepare  (chunks x heads, parallel): conv of k and v, l2norm, gates, gamma, L, blocked
      inverse, W, U, decayed K; the first chunk's programs first write the old conv state of
-     their channels as Kc-1 "head rows" [Kc-1, conv_dim] of scratch, the rows before the
+     their channels as Kc-1 "pre-rows" [Kc-1, conv_dim] of scratch, the rows before the
      prompt (the conv reads them like the raw rows, so its loads stay contiguous; launch 3
      reads them there while it rewrites the real state)
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
@@ -42,7 +42,7 @@ Three launches:
      chunk's programs write the new conv state of their channels
 Value head h owns the conv channels of its v; the first value head of each key group also owns
 its key head's q and k channels (the new state in 3; in 1 every program of the group writes
-their head rows, the same values). Intermediates (W, U,
+their pre-rows, the same values). Intermediates (W, U,
 decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA does; the state and
 every accumulation stay fp32. Scratch is allocated here; `out` and both states come from the
 caller.
@@ -117,12 +117,12 @@ def _real_rows(t_ptr, T, T_DEV: tl.constexpr):
 
 
 @triton.jit
-def _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, ch, ch_ok, stride_m, stride_h,
+def _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch, ch_ok, stride_m, stride_p,
                KC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, act: tl.constexpr):
     """silu(round(causal conv)) of channels ch at rows (fp32 holding dtype values; 0 where not
     real). Tap j reads seq row rows + j = input row s = rows - (Kc-1) + j: the raw rows for
-    s >= 0 (the previous chunk's tail hits L1/L2), head row s + Kc-1 for s < 0 (the first
-    chunk's first Kc-1 rows only; the head rows hold the old conv state, one row per tap).
+    s >= 0 (the previous chunk's tail hits L1/L2), pre-row s + Kc-1 for s < 0 (the first
+    chunk's first Kc-1 rows only; the pre-rows hold the old conv state, one row per tap).
     Only the row's base address is chosen per row, so every load stays contiguous along the
     channels (vector loads, few address registers)."""
     acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
@@ -130,7 +130,7 @@ def _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, ch, ch_ok, stride_m, stride_
     for j in tl.static_range(KC):
         s = rows - (KC - 1) + j
         base = tl.where(s >= 0, m_ptr + tl.maximum(s, 0).to(tl.int64) * stride_m,
-                        head_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64) * stride_h)
+                        pre_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64) * stride_p)
         x = tl.load(base[:, None] + ch[None, :], mask=m_ok, other=0.0).to(tl.float32)
         wj = tl.load(cw_ptr + ch * KC + j, mask=ch_ok, other=0.0).to(tl.float32)
         acc += x * wj[None, :]
@@ -146,26 +146,26 @@ def _prefetch_span(ptr, n):
 
 
 @triton.jit
-def _conv_state_to_head(cs_ptr, head_ptr, ch, ch_ok, stride_h, KC: tl.constexpr, KM1P: tl.constexpr):
-    # head[i, ch] = cs[ch, i]: the old conv state of channels ch as Kc-1 rows
+def _conv_state_to_pre(cs_ptr, pre_ptr, ch, ch_ok, stride_p, KC: tl.constexpr, KM1P: tl.constexpr):
+    # pre[i, ch] = cs[ch, i]: the old conv state of channels ch as Kc-1 rows
     offs_i = tl.arange(0, KM1P)
     keep = (offs_i < KC - 1)[:, None] & ch_ok[None, :]
     x = tl.load(cs_ptr + ch.to(tl.int64)[None, :] * (KC - 1) + offs_i[:, None], mask=keep)
-    tl.store(head_ptr + offs_i.to(tl.int64)[:, None] * stride_h + ch[None, :], x, mask=keep)
+    tl.store(pre_ptr + offs_i.to(tl.int64)[:, None] * stride_p + ch[None, :], x, mask=keep)
 
 
 @triton.jit
-def _conv_state_update(m_ptr, head_ptr, cs_ptr, t, ch, ch_ok, stride_m, stride_h,
+def _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, ch, ch_ok, stride_m, stride_p,
                        KC: tl.constexpr, KM1P: tl.constexpr):
     """cs[ch, i] = seq[t + i] (i < Kc-1): the last Kc-1 real inputs, from the raw rows
-    (s = t - (Kc-1) + i >= 0) or, for a prompt shorter than Kc-1, the old state's head rows."""
+    (s = t - (Kc-1) + i >= 0) or, for a prompt shorter than Kc-1, the old state's pre-rows."""
     offs_i = tl.arange(0, KM1P)
     s = t - (KC - 1) + offs_i
     keep = ch_ok[:, None] & (offs_i < KC - 1)[None, :]
     from_m = (s >= 0)[None, :]
     new_m = tl.load(m_ptr + tl.maximum(s, 0).to(tl.int64)[None, :] * stride_m + ch[:, None],
                     mask=keep & from_m, other=0.0)
-    old = tl.load(head_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64)[None, :] * stride_h + ch[:, None],
+    old = tl.load(pre_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64)[None, :] * stride_p + ch[:, None],
                   mask=keep & (~from_m), other=0.0)
     tl.store(cs_ptr + ch.to(tl.int64)[:, None] * (KC - 1) + offs_i[None, :], tl.where(from_m, new_m, old),
              mask=keep)
@@ -218,9 +218,9 @@ def _beta(b_ptr, rows, real, h, stride_b):
 
 @triton.jit
 def _gdn_chunk_prepare_kernel(
-        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, head_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
+        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
         gam_ptr, w_ptr, u_ptr, kd_ptr,
-        T, T_pad, stride_m, stride_h, stride_b, stride_a,
+        T, T_pad, stride_m, stride_p, stride_b, stride_a,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
@@ -228,7 +228,7 @@ def _gdn_chunk_prepare_kernel(
     """Chunk program_id(0) of value head program_id(1): k conv'd and l2-normed, beta, gamma
     (stored), Tinv = (I + L)^-1 in fp32, then W, U and the decayed keys (stored). The first
     chunk's programs first write the old conv state of the channels they and launch 3 read
-    as the head rows (every program of a key group writes its q / k rows: the same values)."""
+    as the pre-rows (every program of a key group writes its q / k rows: the same values)."""
     pdl_start(PDL)
     i_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -248,9 +248,9 @@ def _gdn_chunk_prepare_kernel(
     pdl_wait(PDL)
 
     if i_t == 0:
-        _conv_state_to_head(cs_ptr, head_ptr, hk * DK + offs_k, k_ok, stride_h, KC, KM1P)
-        _conv_state_to_head(cs_ptr, head_ptr, ch_k, k_ok, stride_h, KC, KM1P)
-        _conv_state_to_head(cs_ptr, head_ptr, ch_v, v_ok, stride_h, KC, KM1P)
+        _conv_state_to_pre(cs_ptr, pre_ptr, hk * DK + offs_k, k_ok, stride_p, KC, KM1P)
+        _conv_state_to_pre(cs_ptr, pre_ptr, ch_k, k_ok, stride_p, KC, KM1P)
+        _conv_state_to_pre(cs_ptr, pre_ptr, ch_v, v_ok, stride_p, KC, KM1P)
         tl.debug_barrier()      # the writes above are read back below by other threads
     t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
@@ -258,7 +258,7 @@ def _gdn_chunk_prepare_kernel(
     head_rows = h.to(tl.int64) * T_pad + rows
     # the keys rounded to the activation dtype at once (they enter every dot so, as in FLA):
     # what stays live in fp32 through the solve sets the registers
-    k = _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, ch_k, k_ok, stride_m, stride_h,
+    k = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch_k, k_ok, stride_m, stride_p,
                    KC, CHUNK, DKP, act)
     k = _l2norm_rows(k).to(act)
 
@@ -299,7 +299,7 @@ def _gdn_chunk_prepare_kernel(
     tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
     w = tl.dot(Tinv, kf * (beta * tl.exp(gam))[:, None], input_precision=DOT_PREC)
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
-    v = _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, ch_v, v_ok, stride_m, stride_h,
+    v = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch_v, v_ok, stride_m, stride_p,
                    KC, CHUNK, DVP, act)
     u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
@@ -343,8 +343,8 @@ def _gdn_chunk_state_kernel(
 
 @triton.jit
 def _gdn_chunk_output_kernel(
-        m_ptr, z_ptr, cw_ptr, cs_ptr, head_ptr, t_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
-        T, T_pad, NT, stride_m, stride_h, stride_z, stride_o, scale, eps,
+        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
+        T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
         KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -368,16 +368,16 @@ def _gdn_chunk_output_kernel(
     real = rows < t
     head_rows = h.to(tl.int64) * T_pad + rows
     gam = tl.load(gam_ptr + head_rows)
-    # q and k from the raw rows and the head rows (the old conv state: this launch rewrites the
+    # q and k from the raw rows and the pre-rows (the old conv state: this launch rewrites the
     # real one), each rounded to the dtype as soon as it is made (the dots take them so): what
     # stays live in fp32 sets the registers, and so how many programs share an SM
-    q = _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m, stride_h,
+    q = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m, stride_p,
                    KC, CHUNK, DKP, act)
     q = _l2norm_rows(q) * scale
     qd = (q * tl.exp(gam)[:, None]).to(act)                      # decayed: reads the chunk-start state
     q = q.to(act)
-    k = _conv_silu(m_ptr, cw_ptr, head_ptr, rows, real, HK * DK + hk * DK + offs_k, k_ok, stride_m,
-                   stride_h, KC, CHUNK, DKP, act)
+    k = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, HK * DK + hk * DK + offs_k, k_ok, stride_m,
+                   stride_p, KC, CHUNK, DKP, act)
     k = _l2norm_rows(k).to(act)
     # intra-chunk part: causal (diagonal included) decayed scores times the true deltas
     r = tl.arange(0, CHUNK)[:, None]
@@ -391,13 +391,13 @@ def _gdn_chunk_output_kernel(
     vn = tl.load(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :])
     o = tl.dot(A, vn, o, input_precision=DOT_PREC)
     if i_t == 0:    # the new conv state of this program's channels (see the module docstring)
-        _conv_state_update(m_ptr, head_ptr, cs_ptr, t, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
-                           stride_m, stride_h, KC, KM1P)
+        _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
+                           stride_m, stride_p, KC, KM1P)
         if h % GROUP == 0:
-            _conv_state_update(m_ptr, head_ptr, cs_ptr, t, hk * DK + offs_k, k_ok, stride_m, stride_h,
+            _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, hk * DK + offs_k, k_ok, stride_m, stride_p,
                                KC, KM1P)
-            _conv_state_update(m_ptr, head_ptr, cs_ptr, t, HK * DK + hk * DK + offs_k, k_ok, stride_m,
-                               stride_h, KC, KM1P)
+            _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, HK * DK + hk * DK + offs_k, k_ok, stride_m,
+                               stride_p, KC, KM1P)
 
     # gated RMSNorm per head: norm in fp32, round, * w, * silu(z) in fp32, round (spec 3b)
     o = o.to(act).to(tl.float32)                                 # the core output is stored in the dtype
@@ -496,7 +496,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     u_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     vn_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     h_buf = torch.empty(hv, nt, dkp, dvp, dtype=act, device=dev)
-    head = torch.empty(kc - 1, cd, dtype=act, device=dev)     # the old conv state as rows
+    pre = torch.empty(kc - 1, cd, dtype=act, device=dev)      # the old conv state as rows
 
     cfg = dict(config) if config is not None else gdn_config(hv, dk, dv, T, table)
     bv = min(cfg["BV"], dvp)
@@ -510,16 +510,16 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
     _gdn_chunk_prepare_kernel[(nt, hv)](
-        qkv, b, a, conv_w, conv_state, head, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
-        T, t_pad, qkv.stride(0), head.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
+        qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
+        T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
         SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"], **pdl_kw)
     _gdn_chunk_output_kernel[(nt, hv)](
-        qkv, z, conv_w, conv_state, head, t_arg, gam, vn_buf, h_buf, norm_w, out,
-        T, t_pad, nt, qkv.stride(0), head.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
+        qkv, z, conv_w, conv_state, pre, t_arg, gam, vn_buf, h_buf, norm_w, out,
+        T, t_pad, nt, qkv.stride(0), pre.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
         num_warps=cfg["out_warps"], **conv, **pdl_kw)
     return out
