@@ -146,15 +146,17 @@ def test_gdn_batched_block_solve(T, chunk, dtype):
 _BASE_CFG = dict(BV=16, prep_warps=4, state_warps=4, state_stages=2, out_warps=4, solve=1)
 
 
-@pytest.mark.parametrize("T,t", [(64, 0), (64, 40), (128, 65), (130, 129)])
-def test_gdn_padding_rows_are_inert(T, t):
-    """Rows >= t_dev[0] stay inert: the t real rows alone, pad outputs 0."""
+@pytest.mark.parametrize("T,t,solve", [(64, 0, 1), (64, 40, 1), (128, 65, 1), (130, 129, 1), (64, 40, 2),
+                                       (128, 17, 2)])
+def test_gdn_padding_rows_are_inert_override(T, t, solve):
+    """Rows >= t_dev[0] stay inert with a config override: the t real rows alone, pad outputs 0."""
+    cfg = dict(_BASE_CFG, solve=solve)
     inputs = _inputs(T, SMALL, torch.float32, seed=T + t + 7)
     t_dev = torch.tensor([t], dtype=torch.int32, device=DEVICE)
-    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev, config=_BASE_CFG)
+    out, st, cst = _check(inputs, SMALL, torch.float32, t_dev=t_dev, config=cfg)
     assert torch.all(out[t:] == 0)
     if t:
-        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL, config=_BASE_CFG)
+        alone, st_alone, cst_alone = _run(gdn_prefill, _rows(inputs, 0, t), SMALL, config=cfg)
         _assert_close(out[:t], alone, torch.float32)
         _assert_close(st, st_alone, torch.float32)
         assert torch.equal(cst, cst_alone)
@@ -351,12 +353,12 @@ def _run_pdl(inputs, dims, cfg, pdl, t_dev=None):
     return got
 
 
-@pytest.mark.parametrize("pdl,t", [(1, None), (2, 50), (1, 50), (2, None)])
-def test_gdn_pdl_modes_give_the_same_bits(pdl, t):
+@pytest.mark.parametrize("pdl,t,solve", [(1, None, 1), (2, 50, 1), (1, 50, 2), (2, None, 2)])
+def test_gdn_pdl_modes_give_the_same_bits(pdl, t, solve):
     """pdl 1 / 2 (weights loaded or sent to L2 before the wait) leaves the output and both
     states pdl 0 leaves, with and without padding rows; other pdl values are refused."""
     inputs = _inputs(70, SMALL, torch.float32, seed=pdl + 4)
-    cfg = _BASE_CFG
+    cfg = dict(_BASE_CFG, solve=solve)
     t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
     plain = _run_pdl(inputs, SMALL, cfg, 0, t_dev)
     got = _run_pdl(inputs, SMALL, cfg, pdl, t_dev)
@@ -378,10 +380,12 @@ def _rel_err(x, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [2048, 32768])
-def test_gdn_true_shape_bf16(T):
+@pytest.mark.parametrize("T,solve", [(2048, None), (32768, None), (2048, 1), (2048, 2)])
+def test_gdn_true_shape_bf16(T, solve):
+    """The table's config (solve None) and each form of the inverse."""
     inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
-    out, st, cst = _run(gdn_prefill, inputs, TRUE)
+    cfg = None if solve is None else dict(gdn_mod.gdn_config(16, 128, 128, T), solve=solve)
+    out, st, cst = _run(gdn_prefill, inputs, TRUE, config=cfg)
     ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, TRUE)      # fp32 recurrence, output rounded
     assert torch.isfinite(out).all() and torch.isfinite(st).all()
     assert torch.equal(cst, cst_ref)
@@ -405,13 +409,13 @@ def test_gdn_padded_true_shape_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,t", [(128, 100), (2048, None)])
-def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t):
+@pytest.mark.parametrize("T,t,solve", [(128, 100, 1), (2048, None, 1), (128, 100, 2), (2048, None, 2)])
+def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t, solve):
     """On the device: the true shape with PDL (its launches overlapping each other's tails)
     leaves the bits it leaves without PDL, padded and not."""
     pdl = pdl_mode(True, False, DEVICE)
     assert pdl
-    cfg = dict(_BASE_CFG, BV=16)
+    cfg = dict(_BASE_CFG, BV=16, solve=solve)
     t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
     inputs = _inputs(T, TRUE, torch.bfloat16, seed=T)
     want = _run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev)
