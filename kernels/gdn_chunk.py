@@ -299,11 +299,14 @@ def _gdn_chunk_prepare_kernel(
     kf = k.to(tl.float32)
     kd = kf * tl.exp(gam_last - gam)[:, None]                     # decay to the chunk end, <= 1
     tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
-    w = tl.dot(Tinv, kf * (beta * tl.exp(gam))[:, None], input_precision=DOT_PREC)
+    # W and U take Tinv and their right sides in the activation dtype, as FLA's recompute_w_u
+    # does (tensor-core dots at half the operand bytes; fp32 models keep IEEE fp32 dots)
+    Tinv = Tinv.to(act)
+    w = tl.dot(Tinv, (kf * (beta * tl.exp(gam))[:, None]).to(act), input_precision=DOT_PREC)
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
     v = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch_v, v_ok, stride_m, stride_p,
                    KC, CHUNK, DVP, act)
-    u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PREC)
+    u = tl.dot(Tinv, (v * beta[:, None]).to(act), input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
 
 
