@@ -32,17 +32,17 @@ output rows are 0. (The last chunk's rows past T are padding the same way.)
 
 Three launches:
   1. prepare  (chunks x heads, parallel): conv of k and v, l2norm, gates, gamma, L, blocked
-     inverse, W, U, decayed K; the first chunk's programs first write the old conv state of
-     their channels as Kc-1 "pre-rows" [Kc-1, conv_dim] of scratch, the rows before the
-     prompt (the conv reads them like the raw rows, so its loads stay contiguous; launch 3
-     reads them there while it rewrites the real state)
+     inverse, W, U, the keys (stored for launch 3) and the decayed keys; the first chunk's
+     programs first write the old conv state of their channels as Kc-1 "pre-rows"
+     [Kc-1, conv_dim] of scratch, the rows before the prompt (the conv reads them like the raw
+     rows, so its loads stay contiguous; launch 3 reads them there while it rewrites the real
+     state)
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
-  3. output   (chunks x heads, parallel): conv of q and k again (4 taps a value: cheaper than
-     storing them in launch 1 and reading them back), O, the gated RMSNorm into `out`; the first
-     chunk's programs write the new conv state of their channels
+  3. output   (chunks x heads, parallel): conv of q, the stored K, O, the gated RMSNorm into
+     `out`; the first chunk's programs write the new conv state of their channels
 Value head h owns the conv channels of its v; the first value head of each key group also owns
 its key head's q and k channels (the new state in 3; in 1 every program of the group writes
-their pre-rows, the same values). Intermediates (W, U,
+their pre-rows, the same values). Intermediates (W, U, K,
 decayed K, Vn, per-chunk S0) are stored in the activation dtype, as FLA does; the state and
 every accumulation stay fp32. Scratch is allocated here; `out` and both states come from the
 caller.
@@ -221,15 +221,15 @@ def _beta(b_ptr, rows, real, h, stride_b):
 @triton.jit
 def _gdn_chunk_prepare_kernel(
         m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
-        gam_ptr, w_ptr, u_ptr, kd_ptr,
+        gam_ptr, w_ptr, u_ptr, k_ptr, kd_ptr,
         T, T_pad, stride_m, stride_p, stride_b, stride_a,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
         DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     """Chunk program_id(0) of value head program_id(1): k conv'd and l2-normed, beta, gamma
-    (stored), Tinv = (I + L)^-1 in fp32, then W, U and the decayed keys (stored). The first
-    chunk's programs first write the old conv state of the channels they and launch 3 read
+    (stored), Tinv = (I + L)^-1 in fp32, then W, U, the keys and the decayed keys (stored). The
+    first chunk's programs first write the old conv state of the channels they and launch 3 read
     as the pre-rows (every program of a key group writes its q / k rows: the same values)."""
     pdl_start(PDL)
     i_t = tl.program_id(0)
@@ -263,6 +263,7 @@ def _gdn_chunk_prepare_kernel(
     k = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch_k, k_ok, stride_m, stride_p,
                    KC, CHUNK, DKP, act)
     k = _l2norm_rows(k).to(act)
+    tl.store(k_ptr + head_rows[:, None] * DKP + offs_k[None, :], k)
 
     # gates: beta = sigmoid(b) rounded like HF keeps it; g = -exp(A_log) softplus(a + dt_bias)
     beta = _beta(b_ptr, rows, real, h, stride_b)
@@ -348,8 +349,8 @@ def _gdn_chunk_state_kernel(
 
 @triton.jit
 def _gdn_chunk_output_kernel(
-        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, vn_ptr, h_ptr, norm_w_ptr, out_ptr,
-        T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
+        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr, norm_w_ptr,
+        out_ptr, T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
         KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -362,9 +363,8 @@ def _gdn_chunk_output_kernel(
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
     k_ok = offs_k < DK
-    if PDL != 0:    # the taps of q and k and the gated norm's weights into L2
+    if PDL != 0:    # the taps of q and the gated norm's weights into L2
         _prefetch_span(cw_ptr + hk * DK * KC, DK * KC)
-        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
         _prefetch_span(norm_w_ptr, DV)
     pdl_wait(PDL)
 
@@ -373,17 +373,16 @@ def _gdn_chunk_output_kernel(
     real = rows < t
     head_rows = h.to(tl.int64) * T_pad + rows
     gam = tl.load(gam_ptr + head_rows)
-    # q and k from the raw rows and the pre-rows (the old conv state: this launch rewrites the
-    # real one), each rounded to the dtype as soon as it is made (the dots take them so): what
-    # stays live in fp32 sets the registers, and so how many programs share an SM
+    # q from the raw rows and the pre-rows (the old conv state: this launch rewrites the real
+    # one), rounded to the dtype as soon as it is made (the dots take it so): what stays live in
+    # fp32 sets the registers, and so how many programs share an SM. k is the prepare's: reading
+    # it back is one load, where its conv again was four and ~a quarter of this kernel's work
     q = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m, stride_p,
                    KC, CHUNK, DKP, act)
     q = _l2norm_rows(q) * scale
     qd = (q * tl.exp(gam)[:, None]).to(act)                      # decayed: reads the chunk-start state
     q = q.to(act)
-    k = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, HK * DK + hk * DK + offs_k, k_ok, stride_m,
-                   stride_p, KC, CHUNK, DKP, act)
-    k = _l2norm_rows(k).to(act)
+    k = tl.load(k_ptr + head_rows[:, None] * DKP + offs_k[None, :])
     # intra-chunk part: causal (diagonal included) decayed scores times the true deltas
     r = tl.arange(0, CHUNK)[:, None]
     c = tl.arange(0, CHUNK)[None, :]
@@ -445,7 +444,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     fp32 [Hv, dk, dv] contiguous, out [T, Hv*dv] (allocated by the caller, not aliasing qkv).
     Value head h uses key head h // (Hv // Hk). t_dev: a device int32 whose first element is
     the number of real rows (the rest are inert padding, their output rows 0); None: all T.
-    Scratch of ~(2*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the activation dtype is
+    Scratch of ~(3*dk + 2*dv + dk*dv/chunk) * Hv * T elements in the activation dtype is
     allocated per call. Returns out. `config` (GDN_KEYS) overrides the launch table: the tuner
     sweeps through it. `table`: the tile table file (gemm.TUNING_PATH; None: the built-in
     configs only). `pdl`: see _common.pdl_mode (every launch).
@@ -497,6 +496,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     dev = qkv.device
     gam = torch.empty(hv, t_pad, dtype=torch.float32, device=dev)
     w_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
+    k_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
     kd_buf = torch.empty(hv, t_pad, dkp, dtype=act, device=dev)
     u_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
     vn_buf = torch.empty(hv, t_pad, dvp, dtype=act, device=dev)
@@ -515,7 +515,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
     _gdn_chunk_prepare_kernel[(nt, hv)](
-        qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, kd_buf,
+        qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf, kd_buf,
         T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
         SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
@@ -523,7 +523,7 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"], **pdl_kw)
     _gdn_chunk_output_kernel[(nt, hv)](
-        qkv, z, conv_w, conv_state, pre, t_arg, gam, vn_buf, h_buf, norm_w, out,
+        qkv, z, conv_w, conv_state, pre, t_arg, gam, k_buf, vn_buf, h_buf, norm_w, out,
         T, t_pad, nt, qkv.stride(0), pre.stride(0), z.stride(0), out.stride(0), dk ** -0.5, eps,
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
         num_warps=cfg["out_warps"], **conv, **pdl_kw)
