@@ -74,6 +74,11 @@ _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 SUB_BLOCK = 16
 # launch knobs: V-tile of the sequential state pass, the warps/stages of the launches, and the
 # prepare's diagonal-block solve (1: in the C x C tile, 2: as a batch of BC x BC blocks)
+# W and U as dots in the activation dtype only for head dims of at least this many (padded)
+# columns: on the GPU (Triton 3.6, sm_90) the bf16 form at dk = 16, dv = 24 gave NaN in the
+# recurrent state (tests/engine/test_prefill_graph.py), where the fp32 form is right; at the
+# model's 128 it matches the reference
+WU_ACT_MIN_DIM = 64
 GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
 
 
@@ -226,7 +231,7 @@ def _gdn_chunk_prepare_kernel(
         HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
         KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-        DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
+        WU_ACT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
     """Chunk program_id(0) of value head program_id(1): k conv'd and l2-normed, beta, gamma
     (stored), Tinv = (I + L)^-1 in fp32, then W, U, the keys and the decayed keys (stored). The
     first chunk's programs first write the old conv state of the channels they and launch 3 read
@@ -300,14 +305,21 @@ def _gdn_chunk_prepare_kernel(
     kf = k.to(tl.float32)
     kd = kf * tl.exp(gam_last - gam)[:, None]                     # decay to the chunk end, <= 1
     tl.store(kd_ptr + head_rows[:, None] * DKP + offs_k[None, :], kd.to(act))
-    # W and U take Tinv and their right sides in the activation dtype, as FLA's recompute_w_u
-    # does (tensor-core dots at half the operand bytes; fp32 models keep IEEE fp32 dots)
-    Tinv = Tinv.to(act)
-    w = tl.dot(Tinv, (kf * (beta * tl.exp(gam))[:, None]).to(act), input_precision=DOT_PREC)
+    # WU_ACT: W and U take Tinv and their right sides in the activation dtype, as FLA's
+    # recompute_w_u does (tensor-core dots at half the operand bytes; fp32 models keep fp32)
+    if WU_ACT:
+        Tinv = Tinv.to(act)
+    w_rhs = kf * (beta * tl.exp(gam))[:, None]
+    if WU_ACT:
+        w_rhs = w_rhs.to(act)
+    w = tl.dot(Tinv, w_rhs, input_precision=DOT_PREC)
     tl.store(w_ptr + head_rows[:, None] * DKP + offs_k[None, :], w.to(act))
     v = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch_v, v_ok, stride_m, stride_p,
                    KC, CHUNK, DVP, act)
-    u = tl.dot(Tinv, (v * beta[:, None]).to(act), input_precision=DOT_PREC)
+    u_rhs = v * beta[:, None]
+    if WU_ACT:
+        u_rhs = u_rhs.to(act)
+    u = tl.dot(Tinv, u_rhs, input_precision=DOT_PREC)
     tl.store(u_ptr + head_rows[:, None] * DVP + offs_v[None, :], u.to(act))
 
 
@@ -517,7 +529,8 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
     _gdn_chunk_prepare_kernel[(nt, hv)](
         qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf, kd_buf,
         T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-        SOLVE=cfg["solve"], DOT_PREC=prec, num_warps=cfg["prep_warps"], **conv, **pdl_kw)
+        SOLVE=cfg["solve"], WU_ACT=min(dkp, dvp) >= WU_ACT_MIN_DIM, DOT_PREC=prec,
+        num_warps=cfg["prep_warps"], **conv, **pdl_kw)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,

@@ -165,7 +165,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     gdn = dict(a_log_ptr="*fp32", t_ptr="*i32", gam_ptr="*fp32", state_ptr="*fp32")
     heads = dict(HK=16, GROUP=1, DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, DOT_PREC="tf32", PDL=1)
     conv = dict(KC=4, KM1P=4, T_DEV=True)
-    prefill(GC._gdn_chunk_prepare_kernel, gdn, dict(heads, BC=16, SOLVE=1, **conv), 8)
+    prefill(GC._gdn_chunk_prepare_kernel, gdn, dict(heads, BC=16, SOLVE=1, WU_ACT=True, **conv), 8)
     state = dict(DK=128, DV=128, DKP=128, DVP=128, CHUNK=64, BV=16, DOT_PREC="tf32", PDL=1)
     prefill(GC._gdn_chunk_state_kernel, gdn, state, 4, 2)
     prefill(GC._gdn_chunk_output_kernel, gdn, dict(heads, **conv), 8)

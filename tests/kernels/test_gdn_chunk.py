@@ -171,10 +171,13 @@ def test_gdn_other_knobs(bv, solve, chunk):
     _check(inputs, SMALL, torch.float32, chunk=chunk, config=dict(_BASE_CFG, BV=bv, solve=solve))
 
 
-def test_gdn_model_head_dims():
-    """The model's head dims (dk = dv = 128) at a small head count."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gdn_model_head_dims(dtype):
+    """The model's head dims (dk = dv = 128) at a small head count; in fp16 the prepare's W and
+    U dots take Tinv and their right sides rounded to the dtype (WU_ACT: dims >= 64 only)."""
+    assert gdn_mod.WU_ACT_MIN_DIM <= 128
     dims = dict(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128)
-    _check(_inputs(66, dims, torch.float32, seed=13), dims, torch.float32, config=dict(_BASE_CFG, BV=32))
+    _check(_inputs(66, dims, dtype, seed=13), dims, dtype, config=dict(_BASE_CFG, BV=32))
 
 
 def test_gdn_config_reads_the_table(tmp_path):
