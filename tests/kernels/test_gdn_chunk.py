@@ -400,6 +400,29 @@ def test_gdn_true_shape_bf16(T, solve):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dims", [SMALL, dict(SMALL, head_k_dim=16, head_v_dim=24),
+                                  dict(num_k_heads=1, num_v_heads=1, head_k_dim=64, head_v_dim=64)],
+                         ids=["24x40", "16x24", "64x64"])
+@pytest.mark.parametrize("t,solve", [(None, 1), (None, 2), (100, 1)])
+def test_gdn_small_head_dims_bf16(dims, t, solve):
+    """bf16 on the device at head dims below and at WU_ACT_MIN_DIM (grouped value heads, dims
+    not powers of two): finite and near the reference, plain and padded. (The bf16 W / U form
+    gave NaN at 16 x 24 here, which only a GPU compile shows.)"""
+    T = 130
+    hv, dk, dv = dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
+    cfg = dict(gdn_mod.gdn_config(hv, dk, dv, T), solve=solve)
+    t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    inputs = _inputs(T, dims, torch.bfloat16, seed=dk + dv)
+    out, st, cst = _run(gdn_prefill, inputs, dims, config=cfg, t_dev=t_dev)
+    ref, st_ref, cst_ref = _run(gdn_prefill_ref, inputs, dims, t_dev=t_dev)
+    assert torch.isfinite(out).all() and torch.isfinite(st).all()
+    assert torch.equal(cst, cst_ref)
+    n = T if t is None else t
+    assert _rel_err(out[:n], ref[:n]) < 1e-2, _rel_err(out[:n], ref[:n])
+    assert _rel_err(st, st_ref) < 5e-3, _rel_err(st, st_ref)
+
+
+@pytest.mark.gpu
 def test_gdn_padded_true_shape_bf16():
     """The prefill graph's form: 2,048 rows of which 1,500 are real, equal to the 1,500 alone."""
     T, t = 2048, 1500
