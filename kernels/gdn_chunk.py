@@ -40,6 +40,13 @@ Three launches:
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
   3. output   (chunks x heads, parallel): conv of q, the stored K, O, the gated RMSNorm into
      `out`; the first chunk's programs write the new conv state of their channels
+With config key `fuse` = G > 0, launches 2 and 3 are one grid (_gdn_chunk_state_output_kernel):
+the output tasks of a group of G chunks start as soon as every state task of their head has
+stored that group's S0 and Vn (a count per group and head, release / acquire), beside the rest
+of the state pass, whose 128 programs alone leave half of the SMs' slots idle. Tasks go by a
+ticket taken as a program starts, state tasks first, so a waiting output task only ever waits
+on running state tasks, which wait on nothing: no deadlock on any GPU. The bits are the three
+launches' (same task code, same order of every sum).
 Value head h owns the conv channels of its v; the first value head of each key group also owns
 its key head's q and k channels (the new state in 3; in 1 every program of the group writes
 their pre-rows, the same values). Intermediates (W, U, K,
@@ -65,6 +72,7 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, cdiv, check_pdl, launch_kw, next_pow2, pdl_start, pdl_wait,
                       prefetch_l2)
 
+from ._persistent import signal, wait_counter
 from .gemm import TUNING_PATH, dot_precision, tuned_config
 
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
@@ -80,6 +88,12 @@ SUB_BLOCK = 16
 # model's 128 it matches the reference
 WU_ACT_MIN_DIM = 64
 GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
+# optional keys (a table entry without them takes these): fuse = G > 0 runs the state pass and
+# the output as one launch, the output of every G chunks released as the state pass stores them
+GDN_OPTIONAL = {"fuse": 0}
+# a fused output task that waits longer than this gives up (garbage out, the error word set)
+# rather than hang the GPU; no correct launch comes near it
+FUSE_TIMEOUT_NS = 2_000_000_000
 
 
 def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
@@ -94,7 +108,7 @@ def _gdn_default_config(dkp: int, dvp: int) -> dict:
     on the state, so two stages prefetch the next chunk under the current one's dots."""
     big = max(dkp, dvp) >= 128
     return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
-                out_warps=8 if big else 4, solve=1)
+                out_warps=8 if big else 4, solve=1, **GDN_OPTIONAL)
 
 
 def gdn_config(hv: int, dk: int, dv: int, T: int, table: Optional[str] = TUNING_PATH) -> dict:
@@ -102,7 +116,7 @@ def gdn_config(hv: int, dk: int, dv: int, T: int, table: Optional[str] = TUNING_
     else the built-in."""
     name = gdn_kernel_name(hv, dk, dv)
     default = _gdn_default_config(max(16, next_pow2(dk)), max(16, next_pow2(dv)))
-    cfg = tuned_config(name, T, GDN_KEYS, table)
+    cfg = tuned_config(name, T, GDN_KEYS, table, optional=GDN_OPTIONAL)
     return dict(default, **cfg) if cfg else default
 
 
@@ -324,16 +338,13 @@ def _gdn_chunk_prepare_kernel(
 
 
 @triton.jit
-def _gdn_chunk_state_kernel(
-        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
-        NT, T_pad,
-        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr = 0):
-    # The one sequential loop: carry S (fp32, DKP x BV slice of one head) across chunks.
-    pdl_start(PDL)
-    i_v = tl.program_id(0)
-    h = tl.program_id(1)
+def _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, flag_ptr, i_v, h, HV, NT,
+                T_pad, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+                FUSE: tl.constexpr):
+    # The one sequential loop: carry S (fp32, DKP x BV slice of head h) across the chunks.
+    # FUSE = G > 0: after every G chunks (and the last) one count on the chunk group's flag,
+    # once this program's S0 and Vn of those chunks are stored (the fused output tasks wait on it)
     act = w_ptr.dtype.element_ty
     offs_k = tl.arange(0, DKP)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -341,7 +352,6 @@ def _gdn_chunk_state_kernel(
 
     s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     s_mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
-    pdl_wait(PDL)               # no weights here: the state and the prepare's scratch
     S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
     for i_t in range(0, NT):
@@ -352,6 +362,9 @@ def _gdn_chunk_state_kernel(
         u = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])
         vn = (u.to(tl.float32) - tl.dot(w, S.to(act), input_precision=DOT_PREC)).to(act)
         tl.store(vn_ptr + rows[:, None] * DVP + offs_v[None, :], vn)
+        if FUSE != 0:
+            if ((i_t + 1) % FUSE == 0) | (i_t == NT - 1):
+                signal(flag_ptr + (i_t // FUSE) * HV + h, 1)
         kd = tl.load(kd_ptr + rows[:, None] * DKP + offs_k[None, :])
         decay_last = tl.exp(tl.load(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1))
         S = S * decay_last + tl.dot(tl.trans(kd), vn, input_precision=DOT_PREC)
@@ -360,26 +373,44 @@ def _gdn_chunk_state_kernel(
 
 
 @triton.jit
-def _gdn_chunk_output_kernel(
-        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr, norm_w_ptr,
-        out_ptr, T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
+def _gdn_chunk_state_kernel(
+        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
+        NT, T_pad,
+        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
         PDL: tl.constexpr = 0):
     pdl_start(PDL)
-    i_t = tl.program_id(0)
-    h = tl.program_id(1)
+    pdl_wait(PDL)               # no weights here: the state and the prepare's scratch
+    _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, state_ptr,
+                tl.program_id(0), tl.program_id(1), 0, NT, T_pad, DK, DV, DKP, DVP, CHUNK, BV,
+                DOT_PREC, 0)
+
+
+@triton.jit
+def _load_l2(ptrs, L2_ONLY: tl.constexpr):
+    # L2_ONLY: data another SM stored during this launch (an L1 line could be stale)
+    if L2_ONLY:
+        x = tl.load(ptrs, cache_modifier=".cg")
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr,
+                 norm_w_ptr, out_ptr, i_t, h, T, T_pad, NT, stride_m, stride_p, stride_z,
+                 stride_o, scale, eps,
+                 HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
+                 KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
+                 FUSE: tl.constexpr):
+    # Chunk i_t of value head h. FUSE: the chunk's S0 and Vn were stored by programs still
+    # running on other SMs (after the flag's acquire): read them from L2 (.cg), not from L1
     hk = h // GROUP
     act = vn_ptr.dtype.element_ty
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
     k_ok = offs_k < DK
-    if PDL != 0:    # the taps of q and the gated norm's weights into L2
-        _prefetch_span(cw_ptr + hk * DK * KC, DK * KC)
-        _prefetch_span(norm_w_ptr, DV)
-    pdl_wait(PDL)
-
     t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
     real = rows < t
@@ -402,9 +433,10 @@ def _gdn_chunk_output_kernel(
     A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     A = tl.where(causal, A * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0).to(act)
     # inter-chunk part: the decayed queries against the state at the chunk start
-    S0 = tl.load(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :])
+    S0 = _load_l2(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :],
+                  FUSE != 0)
     o = tl.dot(qd, S0, input_precision=DOT_PREC)
-    vn = tl.load(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :])
+    vn = _load_l2(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :], FUSE != 0)
     o = tl.dot(A, vn, o, input_precision=DOT_PREC)
     if i_t == 0:    # the new conv state of this program's channels (see the module docstring)
         _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
@@ -428,6 +460,73 @@ def _gdn_chunk_output_kernel(
              y.to(out_ptr.dtype.element_ty), mask=(rows < T)[:, None] & v_ok[None, :])
 
 
+@triton.jit
+def _gdn_chunk_output_kernel(
+        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr, norm_w_ptr,
+        out_ptr, T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
+        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = 0):
+    pdl_start(PDL)
+    h = tl.program_id(1)
+    if PDL != 0:    # the taps of q and the gated norm's weights into L2
+        _prefetch_span(cw_ptr + (h // GROUP) * DK * KC, DK * KC)
+        _prefetch_span(norm_w_ptr, DV)
+    pdl_wait(PDL)
+    _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr,
+                 norm_w_ptr, out_ptr, tl.program_id(0), h, T, T_pad, NT, stride_m, stride_p,
+                 stride_z, stride_o, scale, eps, HK, GROUP, DK, DV, DKP, DVP, CHUNK, KC, KM1P,
+                 T_DEV, DOT_PREC, 0)
+
+
+@triton.jit
+def _gdn_chunk_state_output_kernel(
+        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
+        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, k_ptr, norm_w_ptr, out_ptr, sync_ptr,
+        T, T_pad, NT, HV, stride_m, stride_p, stride_z, stride_o, scale, eps, timeout_ns,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BV: tl.constexpr,
+        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
+        FUSE: tl.constexpr, PDL: tl.constexpr = 0):
+    """Launches 2 and 3 as one grid (fuse = G > 0): the output of a chunk group runs as soon as
+    the state pass has stored that group's S0 and Vn, beside the rest of the state pass, so the
+    SMs the state pass leaves idle do the output work. Tasks go by a ticket taken at the start,
+    in the order programs actually start: the HV x NV state tasks first, then the output tasks
+    chunk-major. An output task waits only on state tasks, which all hold earlier tickets and
+    so are running or done, and which wait on nothing: no deadlock, whatever the GPU's size.
+    sync_ptr (int32, zero between calls): [ticket, done, error, -, flags[chunk group, head]];
+    the last program to finish zeroes them again. Calls on one device must not overlap."""
+    pdl_start(PDL)
+    pdl_wait(PDL)               # the prepare's scratch, the activations and both states
+    NV: tl.constexpr = DVP // BV
+    n_state = HV * NV
+    n_tasks = n_state + NT * HV
+    flag_ptr = sync_ptr + 4
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket < n_state:
+        _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, flag_ptr,
+                    ticket % NV, ticket // NV, HV, NT, T_pad, DK, DV, DKP, DVP, CHUNK, BV,
+                    DOT_PREC, FUSE)
+    else:
+        i_t = (ticket - n_state) // HV
+        h = (ticket - n_state) % HV
+        wait_counter(flag_ptr + (i_t // FUSE) * HV + h, NV, sync_ptr + 2, timeout_ns, 1)
+        _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr,
+                     norm_w_ptr, out_ptr, i_t, h, T, T_pad, NT, stride_m, stride_p, stride_z,
+                     stride_o, scale, eps, HK, GROUP, DK, DV, DKP, DVP, CHUNK, KC, KM1P, T_DEV,
+                     DOT_PREC, FUSE)
+    # every task's flags read or written: the last program to get here clears the sync words
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == n_tasks - 1:
+        n_flags = tl.cdiv(NT, FUSE) * HV
+        for i in range(0, n_flags, 1024):
+            offs = i + tl.arange(0, 1024)
+            tl.store(flag_ptr + offs, tl.zeros((1024,), dtype=tl.int32), mask=offs < n_flags)
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 1, 0)
+
+
 def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
     if t.dim() != 2 or tuple(t.shape) != (rows, cols):
         raise ValueError(f"{name} must have shape [{rows}, {cols}], got {tuple(t.shape)}")
@@ -435,8 +534,11 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
-def gdn_launches() -> list[tuple[str, object]]:
-    """(name, kernel) of the launches gdn_prefill runs, in order (for timing them one by one)."""
+def gdn_launches(fuse: int = 0) -> list[tuple[str, object]]:
+    """(name, kernel) of the launches gdn_prefill runs with config key `fuse`, in order (for
+    timing them one by one): prepare, state, output; with fuse the last two as one."""
+    if fuse:
+        return [("prepare", _gdn_chunk_prepare_kernel), ("state+output", _gdn_chunk_state_output_kernel)]
     return [("prepare", _gdn_chunk_prepare_kernel), ("state", _gdn_chunk_state_kernel),
             ("output", _gdn_chunk_output_kernel)]
 
@@ -521,6 +623,8 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
     if cfg["solve"] not in (1, 2):
         raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
+    if not isinstance(cfg.get("fuse", 0), int) or cfg.get("fuse", 0) < 0:
+        raise ValueError(f"fuse must be 0 or a number of chunks, got {cfg.get('fuse')}")
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
@@ -531,6 +635,18 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
         SOLVE=cfg["solve"], WU_ACT=min(dkp, dvp) >= WU_ACT_MIN_DIM, DOT_PREC=prec,
         num_warps=cfg["prep_warps"], **conv, **pdl_kw)
+    fuse = cfg.get("fuse", 0)
+    if fuse:
+        # one grid of state and output tasks, on the output launch's warps (module docstring)
+        sync = _sync_words(dev, 4 + cdiv(nt, fuse) * hv)
+        _gdn_chunk_state_output_kernel[(hv * (dvp // bv) + nt * hv,)](
+            w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state,
+            qkv, z, conv_w, conv_state, pre, t_arg, k_buf, norm_w, out, sync,
+            T, t_pad, nt, hv, qkv.stride(0), pre.stride(0), z.stride(0), out.stride(0),
+            dk ** -0.5, eps, FUSE_TIMEOUT_NS, HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp,
+            DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec, FUSE=fuse, num_warps=cfg["out_warps"],
+            num_stages=cfg["state_stages"], **conv, **pdl_kw)
+        return out
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
@@ -541,3 +657,25 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
         num_warps=cfg["out_warps"], **conv, **pdl_kw)
     return out
+
+
+# the fused launch's sync words per device (zero between calls; see its kernel), grown by
+# doubling: the first call of a size runs eagerly before a prefill graph captures it
+_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def _sync_words(device: torch.device, n: int) -> torch.Tensor:
+    buf = _SYNC.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gdn_prefill: the fused launch's sync words must be allocated "
+                               "before a CUDA graph captures it (run the size once eagerly)")
+        buf = _SYNC[device] = torch.zeros(max(n, 2 * (buf.numel() if buf is not None else 2048)),
+                                          dtype=torch.int32, device=device)
+    return buf
+
+
+def gdn_sync_error(device) -> bool:
+    """Whether a fused launch on `device` ever gave up waiting (FUSE_TIMEOUT_NS): a bug."""
+    buf = _SYNC.get(torch.device(device))
+    return bool(buf is not None and buf[2].item() != 0)
