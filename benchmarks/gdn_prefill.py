@@ -126,7 +126,8 @@ def new_variants(mod, L: Layer) -> dict:
     """The launch config gdn_prefill picks at this T (table or built-in) and the alternatives
     to time against it: the other diagonal-block solve, the other prepare / output warp
     counts, and both; the state pass and the output fused into one launch (`fuse`, releasing
-    the output every FUSE_CHUNKS chunks, or every chunk), or not where the table fuses."""
+    the output every FUSE_CHUNKS chunks, or every chunk), or not where the table fuses; all
+    three launches as one (`fuse_prep`)."""
     d = L.dims
     cfg = mod.gdn_config(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"], L.T)
     other = lambda w: 4 if w == 8 else 8
@@ -135,8 +136,9 @@ def new_variants(mod, L: Layer) -> dict:
             "out_warps": dict(cfg, out_warps=other(cfg["out_warps"])),
             "solve_prep_warps": dict(cfg, solve=3 - cfg["solve"], prep_warps=other(cfg["prep_warps"])),
             # the state pass and the output as one launch (or three launches where it is picked)
-            "fuse": dict(cfg, fuse=0 if cfg["fuse"] else FUSE_CHUNKS),
-            "fuse_1": dict(cfg, fuse=1)}
+            "fuse": dict(cfg, fuse=0 if cfg["fuse"] else FUSE_CHUNKS, fuse_prep=0),
+            "fuse_1": dict(cfg, fuse=1, fuse_prep=0),
+            "fuse_prep": dict(cfg, fuse=FUSE_CHUNKS, fuse_prep=1)}
 
 
 def old_fn(conv_mod, gdn_mod, L: Layer, t_dev=None):
@@ -289,12 +291,12 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
                 v = r["variants"][name] = dict(config=cfg, vs_picked=_compare(_result(L, t), got))
                 v["ms"] = _ms(new_fn(new_mod, L, None, cfg), args, graph=True)
                 if args.device != "cpu":
-                    names, k = zip(*new_mod.gdn_launches(cfg["fuse"]))
+                    names, k = zip(*new_mod.gdn_launches(cfg["fuse"], cfg["fuse_prep"]))
                     v["split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L, None, cfg), args)))
                     v["regs_spills"] = _regs_spills(new_mod, cfg, new_fn(new_mod, L, None, cfg))
         if args.device != "cpu" and form == "plain":
             picked = new_mod.gdn_config(dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"], T)
-            names, k = zip(*new_mod.gdn_launches(picked["fuse"]))
+            names, k = zip(*new_mod.gdn_launches(picked["fuse"], picked["fuse_prep"]))
             r["new_split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L), args)))
             if old is not None:
                 conv_mod, gdn_mod = old
