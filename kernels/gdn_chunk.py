@@ -682,12 +682,14 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
     if not isinstance(cfg.get("fuse", 0), int) or cfg.get("fuse", 0) < 0:
         raise ValueError(f"fuse must be 0 or a number of chunks, got {cfg.get('fuse')}")
+    if cfg.get("fuse_prep", 0) not in (0, 1) or (cfg.get("fuse_prep", 0) and not cfg.get("fuse", 0)):
+        raise ValueError(f"fuse_prep must be 0, or 1 with fuse > 0, got {cfg.get('fuse_prep')}")
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
     pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
-    fuse, fuse_prep = cfg.get("fuse", 0), bool(cfg.get("fuse", 0) and cfg.get("fuse_prep", 0))
+    fuse, fuse_prep = cfg.get("fuse", 0), cfg.get("fuse_prep", 0)
     if not fuse_prep:
         _gdn_chunk_prepare_kernel[(nt, hv)](
             qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf, kd_buf,

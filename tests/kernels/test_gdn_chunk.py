@@ -403,7 +403,7 @@ def test_gdn_fused_launch_gives_the_same_bits(T, t, fuse, prep):
 
 def test_gdn_fused_half_and_padded_bv():
     """The fused launch in fp16 with a 32-wide V tile (fewer state tasks), against the three
-    launches; a negative fuse is refused."""
+    launches; a negative fuse, and a fuse_prep other than 0 / 1 or without fuse, are refused."""
     inputs = _inputs(130, SMALL, torch.float16, seed=5)
     cfg = dict(_BASE_CFG, BV=32)
     want = _run(gdn_prefill, inputs, SMALL, config=cfg)
@@ -411,8 +411,9 @@ def test_gdn_fused_half_and_padded_bv():
         got = _run(gdn_prefill, inputs, SMALL, config=dict(cfg, fuse=2, fuse_prep=prep))
         for x, w in zip(got, want):
             assert torch.equal(x, w)
-    with pytest.raises(ValueError):
-        _run(gdn_prefill, inputs, SMALL, config=dict(cfg, fuse=-1))
+    for bad in (dict(fuse=-1), dict(fuse=2, fuse_prep=2), dict(fuse=0, fuse_prep=1)):
+        with pytest.raises(ValueError):
+            _run(gdn_prefill, inputs, SMALL, config=dict(cfg, **bad))
 
 
 # ------------------------------------------------------------------------------------------
