@@ -53,6 +53,10 @@ Variants (``--variant a,b,...`` or ``--all``):
                     into a ring of N shared-memory pages, N - 1 tasks ahead of the compute and
                     straight across the counter waits (one program an SM; ``_x2``: two, each
                     with half the ring). GPU only: Gluon has no interpreter.
+  ring_ws_bN        the ring warp-specialised: a producer warp streams the pages (waiting only
+                    for a slot to be released, never on a counter) while the compute warps
+                    take them on per-slot mbarriers, so the stream and the compute stop
+                    sharing one instruction stream.
 
 Stall injection: the program owning tile 0 of one operator (default the middle one) spins
 ``--stall-ns`` (1000) on %globaltimer before its compute; the report gives the chain time with
@@ -458,6 +462,8 @@ class Variant:
     spin: int = 0               # 0 acquire atomic, 1 volatile load
     pdl: int = 1                # phase mode: programmatic dependent launch between operators
     nbuf: int = 0               # ring mode: shared-memory pages a program streams ahead
+    ws: int = 0                 # ring mode: producer warps (gl.warp_specialize; 0: the compute
+                                # warps issue the copies themselves)
     what: str = ""
 
 
@@ -522,10 +528,16 @@ VARIANTS = [
             what="(a) Gluon, cp.async ring of 12 shared-memory pages across operators"),
     Variant("ring_b6_x2", "ring", nbuf=6, ppsm=2,
             what="(a) Gluon, 2 programs an SM, each a ring of 6 pages"),
+    Variant("ring_ws_b4", "ring", nbuf=4, ppsm=1, ws=1,
+            what="(a) Gluon ring of 4 pages, filled by a producer warp (warp-specialised)"),
+    Variant("ring_ws_b8", "ring", nbuf=8, ppsm=1, ws=1,
+            what="(a) Gluon ring of 8 pages, filled by a producer warp (warp-specialised)"),
+    Variant("ring_ws_b12", "ring", nbuf=12, ppsm=1, ws=1,
+            what="(a) Gluon ring of 12 pages, filled by a producer warp (warp-specialised)"),
 ]
 DEFAULT_VARIANTS = ("baseline,phase,phase_sm,persist,persist_sw,persist_sw0,persist_l2,"
                     "persist_sw_l2,persist_sw0_a4,persist_sw0_a8,persist_sw0_a16,ring_b4,ring_b8,"
-                    "ring_b12,ring_b6_x2")
+                    "ring_b12,ring_b6_x2,ring_ws_b4,ring_ws_b8,ring_ws_b12")
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
@@ -803,7 +815,7 @@ class Runner:
                 self._launch(s, 0, l)
                 self._launch(s, 1, l)
         elif v.mode == "ring":
-            self.R.launch(self.G, *self._ring_args(s), nbuf=v.nbuf)
+            self.R.launch(self.G, *self._ring_args(s), nbuf=v.nbuf, ws=v.ws)
         else:
             self._launch(s, -1, 0)
 
@@ -817,8 +829,8 @@ class Runner:
         self.occupancy = dict(grid=self.G)      # filled in place, also when it cannot fit
         if self.v.mode == "ring":
             return check_co_resident(
-                lambda: self.R.warmup(self.G, *self._ring_args(0), nbuf=self.v.nbuf),
-                self.R.BN_GU, c.device, self.ppsm, self.occupancy)
+                lambda: self.R.warmup(self.G, *self._ring_args(0), nbuf=self.v.nbuf, ws=self.v.ws),
+                self.R.BN_GU + self.v.ws, c.device, self.ppsm, self.occupancy)
         return check_co_resident(
             lambda: _mlp_chain_kernel.warmup(
                 c.h, c.act, c.nw, c.wgu, c.wd, self.cnt, self.epoch, self.err, self.stamp,
@@ -847,9 +859,9 @@ def compile_only(args, variants):
             continue
         if v.mode == "ring":
             import persistent_mlp_ring as R
-            const, nwarps = R.constexprs(args.hidden, args.inter, v.nbuf)
+            const, nwarps = R.constexprs(args.hidden, args.inter, v.nbuf, ws=v.ws)
             rsig = {k: t for k, t in sig.items() if k not in ("phase_layer",)}
-            info = compile_sm90(R._mlp_ring_kernel, rsig, const, nwarps, _ptx_counts)
+            info = compile_sm90(R.kernel(v.ws), rsig, const, nwarps, _ptx_counts)
             out[f"{v.name}/PHASE=-1"] = info
             print(f"{v.name}/PHASE=-1", json.dumps(info), flush=True)
             continue
@@ -876,7 +888,8 @@ def _ptx_counts(ptx):
                 globaltimer=ptx.count("%globaltimer"),
                 atom=ptx.count("atom.") + len(re.findall(r"\sred\.global", ptx)),
                 acquire=ptx.count(".acquire"), pdl=ptx.count("griddepcontrol"),
-                cp_async=ptx.count("cp.async.cg.shared"))
+                cp_async=ptx.count("cp.async.cg.shared"),
+                mbarrier=ptx.count("mbarrier."), setmaxnreg=ptx.count("setmaxnreg"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -117,6 +117,20 @@ def test_ring_variants_compile_for_sm90():
     assert b12.get("spill_stores") in (0, None)
 
 
+def test_ring_ws_variants_compile_for_sm90():
+    """The warp-specialised ring: the producer warp's copies complete on per-slot mbarriers
+    (no cp.async group waits), the partitions' registers are re-split (setmaxnreg), the ring
+    as deep as asked, no spills."""
+    res = compile_only("persistent_mlp", "--variant", "ring_ws_b4,ring_ws_b12")
+    b4, b12 = res["ring_ws_b4/PHASE=-1"], res["ring_ws_b12/PHASE=-1"]
+    assert b4["ok"] and b12["ok"], (b4, b12)
+    page = 2 * 4 * 1024 * 2
+    assert b4["shared"] >= 4 * page and b12["shared"] >= 12 * page
+    assert b4["cp_async"] > 0 and b4["setmaxnreg"] > 0 and b4["acquire"] > 0
+    assert b12["mbarrier"] > b4["mbarrier"] > 0
+    assert b12.get("spill_stores") in (0, None)
+
+
 def test_ring_shape_rules():
     R = load_script("persistent_mlp_ring")
     assert R.bn_d(1024, 3584, 4) == 2         # two down rows of 3584 in 8 segments of 1024
@@ -144,7 +158,7 @@ def _gpu_chain_matches_reference(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ring_b4", "ring_b12", "ring_b6_x2"])
+@pytest.mark.parametrize("name", ["ring_b4", "ring_b12", "ring_b6_x2", "ring_ws_b4", "ring_ws_b12"])
 def test_gpu_ring_matches_reference(name):
     """The Gluon ring chain on the device (the ring streams each chain's own weight set)."""
     _gpu_chain_matches_reference(name)
