@@ -44,7 +44,6 @@ OLD_FILES = ("conv1d.py", "gdn_chunk.py")
 OLD_CONV_CONFIG = dict(BLOCK_C=128, BLOCK_T=32, ROW_TILES=1, num_warps=4)
 TRUE = dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, kc=4)
 TINY = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=24, kc=4)
-FUSE_CHUNKS = 4
 
 
 def parse_args(argv=None):
@@ -125,20 +124,14 @@ def new_fn(mod, L: Layer, t_dev=None, config=None):
 def new_variants(mod, L: Layer) -> dict:
     """The launch config gdn_prefill picks at this T (table or built-in) and the alternatives
     to time against it: the other diagonal-block solve, the other prepare / output warp
-    counts, and both; the state pass and the output fused into one launch (`fuse`, releasing
-    the output every FUSE_CHUNKS chunks, or every chunk), or not where the table fuses; all
-    three launches as one (`fuse_prep`)."""
+    counts, and both."""
     d = L.dims
     cfg = mod.gdn_config(d["num_v_heads"], d["head_k_dim"], d["head_v_dim"], L.T)
     other = lambda w: 4 if w == 8 else 8
     return {"picked": cfg, "solve": dict(cfg, solve=3 - cfg["solve"]),
             "prep_warps": dict(cfg, prep_warps=other(cfg["prep_warps"])),
             "out_warps": dict(cfg, out_warps=other(cfg["out_warps"])),
-            "solve_prep_warps": dict(cfg, solve=3 - cfg["solve"], prep_warps=other(cfg["prep_warps"])),
-            # the state pass and the output as one launch (or three launches where it is picked)
-            "fuse": dict(cfg, fuse=0 if cfg["fuse"] else FUSE_CHUNKS, fuse_prep=0),
-            "fuse_1": dict(cfg, fuse=1, fuse_prep=0),
-            "fuse_prep": dict(cfg, fuse=FUSE_CHUNKS, fuse_prep=1)}
+            "solve_prep_warps": dict(cfg, solve=3 - cfg["solve"], prep_warps=other(cfg["prep_warps"]))}
 
 
 def old_fn(conv_mod, gdn_mod, L: Layer, t_dev=None):
@@ -291,12 +284,11 @@ def run_T(T: int, args, old, new_mod, dims, dtype) -> dict:
                 v = r["variants"][name] = dict(config=cfg, vs_picked=_compare(_result(L, t), got))
                 v["ms"] = _ms(new_fn(new_mod, L, None, cfg), args, graph=True)
                 if args.device != "cpu":
-                    names, k = zip(*new_mod.gdn_launches(cfg["fuse"], cfg["fuse_prep"]))
+                    names, k = zip(*new_mod.gdn_launches())
                     v["split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L, None, cfg), args)))
                     v["regs_spills"] = _regs_spills(new_mod, cfg, new_fn(new_mod, L, None, cfg))
         if args.device != "cpu" and form == "plain":
-            picked = new_mod.gdn_config(dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"], T)
-            names, k = zip(*new_mod.gdn_launches(picked["fuse"], picked["fuse_prep"]))
+            names, k = zip(*new_mod.gdn_launches())
             r["new_split_ms"] = dict(zip(names, _split(k, lambda: new_fn(new_mod, L), args)))
             if old is not None:
                 conv_mod, gdn_mod = old

@@ -40,15 +40,6 @@ Three launches:
   2. state    (heads x V-tiles, sequential over chunks): saves each chunk's S0, Vn, final state
   3. output   (chunks x heads, parallel): conv of q, the stored K, O, the gated RMSNorm into
      `out`; the first chunk's programs write the new conv state of their channels
-With config key `fuse` = G > 0, launches 2 and 3 are one grid (_gdn_chunk_fused_kernel):
-the output tasks of a group of G chunks start as soon as every state task of their head has
-stored that group's S0 and Vn (a count per group and head, release / acquire), beside the rest
-of the state pass, whose 128 programs alone leave half of the SMs' slots idle. Tasks go by a
-ticket taken as a program starts, state tasks first, so a waiting output task only ever waits
-on running state tasks, which wait on nothing: no deadlock on any GPU. The bits are the three
-launches' (same task code, same order of every sum). With `fuse_prep` the prepare's tasks
-join the grid ahead of the state tasks, which wait for each chunk group's prepare tasks, so
-the state pass starts at the prepare's last wave instead of after it.
 Value head h owns the conv channels of its v; the first value head of each key group also owns
 its key head's q and k channels (the new state in 3; in 1 every program of the group writes
 their pre-rows, the same values). Intermediates (W, U, K,
@@ -74,7 +65,6 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, cdiv, check_pdl, launch_kw, next_pow2, pdl_start, pdl_wait,
                       prefetch_l2)
 
-from ._persistent import signal, wait_counter
 from .gemm import TUNING_PATH, dot_precision, tuned_config
 
 # HF's l2norm epsilon for q/k: inside the sqrt, on the sum of squares (spec 3c)
@@ -90,13 +80,6 @@ SUB_BLOCK = 16
 # model's 128 it matches the reference
 WU_ACT_MIN_DIM = 64
 GDN_KEYS = ("BV", "prep_warps", "state_warps", "state_stages", "out_warps", "solve")
-# optional keys (a table entry without them takes these): fuse = G > 0 runs the state pass and
-# the output as one launch, the output of every G chunks released as the state pass stores them
-# (fuse_prep = 1: the prepare too, its tasks ahead of the state tasks in the same grid)
-GDN_OPTIONAL = {"fuse": 0, "fuse_prep": 0}
-# a fused output task that waits longer than this gives up (garbage out, the error word set)
-# rather than hang the GPU; no correct launch comes near it
-FUSE_TIMEOUT_NS = 2_000_000_000
 
 
 def gdn_kernel_name(hv: int, dk: int, dv: int) -> str:
@@ -111,7 +94,7 @@ def _gdn_default_config(dkp: int, dvp: int) -> dict:
     on the state, so two stages prefetch the next chunk under the current one's dots."""
     big = max(dkp, dvp) >= 128
     return dict(BV=min(16, dvp), prep_warps=8 if big else 4, state_warps=4, state_stages=2,
-                out_warps=8 if big else 4, solve=1, **GDN_OPTIONAL)
+                out_warps=8 if big else 4, solve=1)
 
 
 def gdn_config(hv: int, dk: int, dv: int, T: int, table: Optional[str] = TUNING_PATH) -> dict:
@@ -119,7 +102,7 @@ def gdn_config(hv: int, dk: int, dv: int, T: int, table: Optional[str] = TUNING_
     else the built-in."""
     name = gdn_kernel_name(hv, dk, dv)
     default = _gdn_default_config(max(16, next_pow2(dk)), max(16, next_pow2(dv)))
-    cfg = tuned_config(name, T, GDN_KEYS, table, optional=GDN_OPTIONAL)
+    cfg = tuned_config(name, T, GDN_KEYS, table)
     return dict(default, **cfg) if cfg else default
 
 
@@ -140,8 +123,7 @@ def _real_rows(t_ptr, T, T_DEV: tl.constexpr):
 
 @triton.jit
 def _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch, ch_ok, stride_m, stride_p,
-               KC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, act: tl.constexpr,
-               L2_ONLY: tl.constexpr = False):
+               KC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, act: tl.constexpr):
     """silu(round(causal conv)) of channels ch at rows (fp32 holding dtype values; 0 where not
     real). Tap j reads seq row rows + j = input row s = rows - (Kc-1) + j: the raw rows for
     s >= 0 (the previous chunk's tail hits L1/L2), pre-row s + Kc-1 for s < 0 (the first
@@ -156,11 +138,7 @@ def _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, ch, ch_ok, stride_m, stride_p
         s = rows - (KC - 1) + j
         base = tl.where(s >= 0, m_ptr + tl.maximum(s, 0).to(tl.int64) * stride_m,
                         pre_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64) * stride_p)
-        if L2_ONLY:     # pre-rows stored by another SM in this launch (fuse_prep)
-            x = tl.load(base[:, None] + ch[None, :], mask=m_ok, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(base[:, None] + ch[None, :], mask=m_ok, other=0.0)
-        x = x.to(tl.float32)
+        x = tl.load(base[:, None] + ch[None, :], mask=m_ok, other=0.0).to(tl.float32)
         wj = tl.load(cw_ptr + ch * KC + j, mask=ch_ok, other=0.0).to(tl.float32)
         acc += x * wj[None, :]
     c = acc.to(act).to(tl.float32)
@@ -185,7 +163,7 @@ def _conv_state_to_pre(cs_ptr, pre_ptr, ch, ch_ok, stride_p, KC: tl.constexpr, K
 
 @triton.jit
 def _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, ch, ch_ok, stride_m, stride_p,
-                       KC: tl.constexpr, KM1P: tl.constexpr, L2_ONLY: tl.constexpr = False):
+                       KC: tl.constexpr, KM1P: tl.constexpr):
     """cs[ch, i] = seq[t + i] (i < Kc-1): the last Kc-1 real inputs, from the raw rows
     (s = t - (Kc-1) + i >= 0) or, for a prompt shorter than Kc-1, the old state's pre-rows."""
     offs_i = tl.arange(0, KM1P)
@@ -194,8 +172,8 @@ def _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, ch, ch_ok, stride_m, stride_p,
     from_m = (s >= 0)[None, :]
     new_m = tl.load(m_ptr + tl.maximum(s, 0).to(tl.int64)[None, :] * stride_m + ch[:, None],
                     mask=keep & from_m, other=0.0)
-    old = _load_l2(pre_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64)[None, :] * stride_p + ch[:, None],
-                   L2_ONLY, keep & (~from_m), 0.0)
+    old = tl.load(pre_ptr + tl.maximum(s + KC - 1, 0).to(tl.int64)[None, :] * stride_p + ch[:, None],
+                  mask=keep & (~from_m), other=0.0)
     tl.store(cs_ptr + ch.to(tl.int64)[:, None] * (KC - 1) + offs_i[None, :], tl.where(from_m, new_m, old),
              mask=keep)
 
@@ -246,16 +224,21 @@ def _beta(b_ptr, rows, real, h, stride_b):
 
 
 @triton.jit
-def _prepare_task(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, w_ptr, u_ptr,
-                  k_ptr, kd_ptr, i_t, h, a_log, dt_bias, T, T_pad, stride_m, stride_p, stride_b,
-                  stride_a, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr,
-                  BC: tl.constexpr, KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr,
-                  SOLVE: tl.constexpr, WU_ACT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Chunk i_t of value head h: k conv'd and l2-normed, beta, gamma (stored), Tinv =
-    (I + L)^-1 in fp32, then W, U, the keys and the decayed keys (stored). The first chunk's
-    programs first write the old conv state of the channels they and the output read as the
-    pre-rows (every program of a key group writes its q / k rows: the same values)."""
+def _gdn_chunk_prepare_kernel(
+        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
+        gam_ptr, w_ptr, u_ptr, k_ptr, kd_ptr,
+        T, T_pad, stride_m, stride_p, stride_b, stride_a,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
+        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
+        WU_ACT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
+    """Chunk program_id(0) of value head program_id(1): k conv'd and l2-normed, beta, gamma
+    (stored), Tinv = (I + L)^-1 in fp32, then W, U, the keys and the decayed keys (stored). The
+    first chunk's programs first write the old conv state of the channels they and launch 3 read
+    as the pre-rows (every program of a key group writes its q / k rows: the same values)."""
+    pdl_start(PDL)
+    i_t = tl.program_id(0)
+    h = tl.program_id(1)
     hk = h // GROUP
     act = w_ptr.dtype.element_ty
     offs_k = tl.arange(0, DKP)
@@ -264,6 +247,12 @@ def _prepare_task(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, 
     v_ok = offs_v < DV
     ch_k = HK * DK + hk * DK + offs_k
     ch_v = 2 * HK * DK + h * DV + offs_v
+    if PDL != 0:    # the taps of k and v into L2
+        _prefetch_span(cw_ptr + (HK * DK + hk * DK) * KC, DK * KC)
+        _prefetch_span(cw_ptr + (2 * HK * DK + h * DV) * KC, DV * KC)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    pdl_wait(PDL)
 
     if i_t == 0:
         _conv_state_to_pre(cs_ptr, pre_ptr, hk * DK + offs_k, k_ok, stride_p, KC, KM1P)
@@ -335,39 +324,16 @@ def _prepare_task(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, 
 
 
 @triton.jit
-def _gdn_chunk_prepare_kernel(
-        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
-        gam_ptr, w_ptr, u_ptr, k_ptr, kd_ptr,
-        T, T_pad, stride_m, stride_p, stride_b, stride_a,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
-        KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr, SOLVE: tl.constexpr,
-        WU_ACT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0):
+def _gdn_chunk_state_kernel(
+        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
+        NT, T_pad,
+        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = 0):
+    # The one sequential loop: carry S (fp32, DKP x BV slice of one head) across chunks.
     pdl_start(PDL)
+    i_v = tl.program_id(0)
     h = tl.program_id(1)
-    if PDL != 0:    # the taps of k and v into L2
-        _prefetch_span(cw_ptr + (HK * DK + (h // GROUP) * DK) * KC, DK * KC)
-        _prefetch_span(cw_ptr + (2 * HK * DK + h * DV) * KC, DV * KC)
-    a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    pdl_wait(PDL)
-    _prepare_task(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, w_ptr, u_ptr,
-                  k_ptr, kd_ptr, tl.program_id(0), h, a_log, dt_bias, T, T_pad, stride_m,
-                  stride_p, stride_b, stride_a, HK, GROUP, DK, DV, DKP, DVP, CHUNK, BC, KC, KM1P,
-                  T_DEV, SOLVE, WU_ACT, DOT_PREC)
-
-
-@triton.jit
-def _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, flag_ptr, i_v, h, HV, NT,
-                T_pad, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-                CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
-                FUSE: tl.constexpr, PREP: tl.constexpr = 0, pflag_ptr=None, err_ptr=None,
-                timeout_ns=0):
-    # The one sequential loop: carry S (fp32, DKP x BV slice of head h) across the chunks.
-    # FUSE = G > 0: after every G chunks (and the last) one count on the chunk group's flag,
-    # once this program's S0 and Vn of those chunks are stored (the fused output tasks wait on it).
-    # PREP: the prepare runs in the same launch; each group's W / U / decayed K / gamma are
-    # awaited (its count of prepare tasks) and read from L2
     act = w_ptr.dtype.element_ty
     offs_k = tl.arange(0, DKP)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -375,87 +341,60 @@ def _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, flag_pt
 
     s_ptrs = state_ptr + h.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     s_mask = (offs_k < DK)[:, None] & (offs_v < DV)[None, :]
+    pdl_wait(PDL)               # no weights here: the state and the prepare's scratch
     S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
     for i_t in range(0, NT):
-        if PREP != 0:
-            if i_t % FUSE == 0:
-                wait_counter(pflag_ptr + (i_t // FUSE) * HV + h, tl.minimum(FUSE, NT - i_t),
-                             err_ptr, timeout_ns, 1)
         rows = h.to(tl.int64) * T_pad + i_t * CHUNK + offs_c
         tl.store(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :],
                  S.to(act))
-        w = _load_l2(w_ptr + rows[:, None] * DKP + offs_k[None, :], PREP != 0)
-        u = _load_l2(u_ptr + rows[:, None] * DVP + offs_v[None, :], PREP != 0)
+        w = tl.load(w_ptr + rows[:, None] * DKP + offs_k[None, :])
+        u = tl.load(u_ptr + rows[:, None] * DVP + offs_v[None, :])
         vn = (u.to(tl.float32) - tl.dot(w, S.to(act), input_precision=DOT_PREC)).to(act)
         tl.store(vn_ptr + rows[:, None] * DVP + offs_v[None, :], vn)
-        if FUSE != 0:
-            if ((i_t + 1) % FUSE == 0) | (i_t == NT - 1):
-                signal(flag_ptr + (i_t // FUSE) * HV + h, 1)
-        kd = _load_l2(kd_ptr + rows[:, None] * DKP + offs_k[None, :], PREP != 0)
-        decay_last = tl.exp(_load_l2(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1,
-                                     PREP != 0))
+        kd = tl.load(kd_ptr + rows[:, None] * DKP + offs_k[None, :])
+        decay_last = tl.exp(tl.load(gam_ptr + h.to(tl.int64) * T_pad + i_t * CHUNK + CHUNK - 1))
         S = S * decay_last + tl.dot(tl.trans(kd), vn, input_precision=DOT_PREC)
 
     tl.store(s_ptrs, S, mask=s_mask)
 
 
 @triton.jit
-def _gdn_chunk_state_kernel(
-        w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr,
-        NT, T_pad,
-        DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-        CHUNK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+def _gdn_chunk_output_kernel(
+        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr, norm_w_ptr,
+        out_ptr, T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
+        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
+        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
         PDL: tl.constexpr = 0):
     pdl_start(PDL)
-    pdl_wait(PDL)               # no weights here: the state and the prepare's scratch
-    _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, state_ptr,
-                tl.program_id(0), tl.program_id(1), 0, NT, T_pad, DK, DV, DKP, DVP, CHUNK, BV,
-                DOT_PREC, 0)
-
-
-@triton.jit
-def _load_l2(ptrs, L2_ONLY: tl.constexpr, mask=None, other=None):
-    # L2_ONLY: data another SM stored during this launch (an L1 line could be stale)
-    if L2_ONLY:
-        x = tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        x = tl.load(ptrs, mask=mask, other=other)
-    return x
-
-
-@triton.jit
-def _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr,
-                 norm_w_ptr, out_ptr, i_t, h, T, T_pad, NT, stride_m, stride_p, stride_z,
-                 stride_o, scale, eps,
-                 HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-                 KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
-                 FUSE: tl.constexpr, PREP: tl.constexpr = 0, pflag_ptr=None, err_ptr=None,
-                 timeout_ns=0):
-    # Chunk i_t of value head h. FUSE: the chunk's S0 and Vn were stored by programs still
-    # running on other SMs (after the flag's acquire): read them from L2 (.cg), not from L1;
-    # PREP: the prepare's gamma, keys and pre-rows too
+    i_t = tl.program_id(0)
+    h = tl.program_id(1)
     hk = h // GROUP
     act = vn_ptr.dtype.element_ty
     offs_k = tl.arange(0, DKP)
     offs_v = tl.arange(0, DVP)
     k_ok = offs_k < DK
+    if PDL != 0:    # the taps of q and the gated norm's weights into L2
+        _prefetch_span(cw_ptr + hk * DK * KC, DK * KC)
+        _prefetch_span(norm_w_ptr, DV)
+    pdl_wait(PDL)
+
     t = _real_rows(t_ptr, T, T_DEV)
     rows = i_t * CHUNK + tl.arange(0, CHUNK)
     real = rows < t
     head_rows = h.to(tl.int64) * T_pad + rows
-    gam = _load_l2(gam_ptr + head_rows, PREP != 0)
+    gam = tl.load(gam_ptr + head_rows)
     # q from the raw rows and the pre-rows (the old conv state: this launch rewrites the real
     # one), rounded to the dtype as soon as it is made (the dots take it so): what stays live in
     # fp32 sets the registers, and so how many programs share an SM. k is the prepare's: reading
     # it back is one load, where its conv again was four and ~a quarter of this kernel's work
     q = _conv_silu(m_ptr, cw_ptr, pre_ptr, rows, real, hk * DK + offs_k, k_ok, stride_m, stride_p,
-                   KC, CHUNK, DKP, act, PREP != 0)
+                   KC, CHUNK, DKP, act)
     q = _l2norm_rows(q) * scale
     qd = (q * tl.exp(gam)[:, None]).to(act)                      # decayed: reads the chunk-start state
     q = q.to(act)
-    k = _load_l2(k_ptr + head_rows[:, None] * DKP + offs_k[None, :], PREP != 0)
+    k = tl.load(k_ptr + head_rows[:, None] * DKP + offs_k[None, :])
     # intra-chunk part: causal (diagonal included) decayed scores times the true deltas
     r = tl.arange(0, CHUNK)[:, None]
     c = tl.arange(0, CHUNK)[None, :]
@@ -463,22 +402,18 @@ def _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, v
     A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     A = tl.where(causal, A * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0).to(act)
     # inter-chunk part: the decayed queries against the state at the chunk start
-    S0 = _load_l2(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :],
-                  FUSE != 0)
+    S0 = tl.load(h_ptr + ((h.to(tl.int64) * NT + i_t) * DKP + offs_k[:, None]) * DVP + offs_v[None, :])
     o = tl.dot(qd, S0, input_precision=DOT_PREC)
-    vn = _load_l2(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :], FUSE != 0)
+    vn = tl.load(vn_ptr + head_rows[:, None] * DVP + offs_v[None, :])
     o = tl.dot(A, vn, o, input_precision=DOT_PREC)
     if i_t == 0:    # the new conv state of this program's channels (see the module docstring)
         _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, 2 * HK * DK + h * DV + offs_v, offs_v < DV,
-                           stride_m, stride_p, KC, KM1P, PREP != 0)
+                           stride_m, stride_p, KC, KM1P)
         if h % GROUP == 0:
-            if PREP != 0:   # every first-chunk prepare task of the key group has read the old state
-                for j in range(GROUP):
-                    wait_counter(pflag_ptr + h + j, tl.minimum(FUSE, NT), err_ptr, timeout_ns, 1)
             _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, hk * DK + offs_k, k_ok, stride_m, stride_p,
-                               KC, KM1P, PREP != 0)
+                               KC, KM1P)
             _conv_state_update(m_ptr, pre_ptr, cs_ptr, t, HK * DK + hk * DK + offs_k, k_ok, stride_m,
-                               stride_p, KC, KM1P, PREP != 0)
+                               stride_p, KC, KM1P)
 
     # gated RMSNorm per head: norm in fp32, round, * w, * silu(z) in fp32, round (spec 3b)
     o = o.to(act).to(tl.float32)                                 # the core output is stored in the dtype
@@ -493,94 +428,6 @@ def _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, v
              y.to(out_ptr.dtype.element_ty), mask=(rows < T)[:, None] & v_ok[None, :])
 
 
-@triton.jit
-def _gdn_chunk_output_kernel(
-        m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr, norm_w_ptr,
-        out_ptr, T, T_pad, NT, stride_m, stride_p, stride_z, stride_o, scale, eps,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, KC: tl.constexpr,
-        KM1P: tl.constexpr, T_DEV: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr = 0):
-    pdl_start(PDL)
-    h = tl.program_id(1)
-    if PDL != 0:    # the taps of q and the gated norm's weights into L2
-        _prefetch_span(cw_ptr + (h // GROUP) * DK * KC, DK * KC)
-        _prefetch_span(norm_w_ptr, DV)
-    pdl_wait(PDL)
-    _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr, h_ptr,
-                 norm_w_ptr, out_ptr, tl.program_id(0), h, T, T_pad, NT, stride_m, stride_p,
-                 stride_z, stride_o, scale, eps, HK, GROUP, DK, DV, DKP, DVP, CHUNK, KC, KM1P,
-                 T_DEV, DOT_PREC, 0)
-
-
-@triton.jit
-def _gdn_chunk_fused_kernel(
-        m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, a_log_ptr, dt_bias_ptr, t_ptr,
-        gam_ptr, w_ptr, u_ptr, k_ptr, kd_ptr, vn_ptr, h_ptr, state_ptr, z_ptr, norm_w_ptr,
-        out_ptr, sync_ptr,
-        T, T_pad, NT, HV, stride_m, stride_p, stride_b, stride_a, stride_z, stride_o, scale,
-        eps, timeout_ns,
-        HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DKP: tl.constexpr, DVP: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr,
-        BV: tl.constexpr, KC: tl.constexpr, KM1P: tl.constexpr, T_DEV: tl.constexpr,
-        SOLVE: tl.constexpr, WU_ACT: tl.constexpr, DOT_PREC: tl.constexpr,
-        FUSE: tl.constexpr, PREP: tl.constexpr, PDL: tl.constexpr = 0):
-    """The launches as one grid (fuse = G > 0): the state pass and the output (PREP 0: after
-    the prepare's launch), or all three (PREP 1). Tasks go by a ticket taken at the start, in
-    the order programs actually start: the prepare tasks chunk by chunk (PREP), the HV x NV
-    state tasks, the output tasks chunk by chunk. A state task waits for the prepare tasks of
-    each group of G chunks of its head as it reaches it; an output task for the state tasks of
-    its group (and a first-chunk one for its key group's first prepare tasks before it rewrites
-    their conv state). Every wait is on tasks with earlier tickets, which are running or done
-    and wait only on earlier tickets still: no deadlock, whatever the GPU's size.
-    sync_ptr (int32, zero between calls): [ticket, done, error, -, state counts[group, head],
-    prepare counts[group, head]]; the last program to finish zeroes them again. Calls on one
-    device must not overlap."""
-    pdl_start(PDL)
-    pdl_wait(PDL)               # the activations, both states (and the prepare's scratch)
-    NV: tl.constexpr = DVP // BV
-    n_flags = tl.cdiv(NT, FUSE) * HV
-    n_prep = NT * HV * PREP
-    n_state = HV * NV
-    n_tasks = n_prep + n_state + NT * HV
-    flag_ptr = sync_ptr + 4
-    pflag_ptr = flag_ptr + n_flags
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    if PREP != 0:       # (a compile-time branch: without PREP the prepare is not compiled in)
-        if ticket < n_prep:
-            i_t = ticket // HV
-            h = ticket % HV
-            a_log = tl.load(a_log_ptr + h).to(tl.float32)
-            dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-            _prepare_task(m_ptr, b_ptr, a_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, w_ptr,
-                          u_ptr, k_ptr, kd_ptr, i_t, h, a_log, dt_bias, T, T_pad, stride_m,
-                          stride_p, stride_b, stride_a, HK, GROUP, DK, DV, DKP, DVP, CHUNK, BC,
-                          KC, KM1P, T_DEV, SOLVE, WU_ACT, DOT_PREC)
-            signal(pflag_ptr + (i_t // FUSE) * HV + h, 1)
-    if ticket >= n_prep:
-        if ticket < n_prep + n_state:
-            _state_task(w_ptr, u_ptr, kd_ptr, gam_ptr, vn_ptr, h_ptr, state_ptr, flag_ptr,
-                        (ticket - n_prep) % NV, (ticket - n_prep) // NV, HV, NT, T_pad, DK, DV,
-                        DKP, DVP, CHUNK, BV, DOT_PREC, FUSE, PREP, pflag_ptr, sync_ptr + 2,
-                        timeout_ns)
-        else:
-            i_t = (ticket - n_prep - n_state) // HV
-            h = (ticket - n_prep - n_state) % HV
-            wait_counter(flag_ptr + (i_t // FUSE) * HV + h, NV, sync_ptr + 2, timeout_ns, 1)
-            _output_task(m_ptr, z_ptr, cw_ptr, cs_ptr, pre_ptr, t_ptr, gam_ptr, k_ptr, vn_ptr,
-                         h_ptr, norm_w_ptr, out_ptr, i_t, h, T, T_pad, NT, stride_m, stride_p,
-                         stride_z, stride_o, scale, eps, HK, GROUP, DK, DV, DKP, DVP, CHUNK, KC,
-                         KM1P, T_DEV, DOT_PREC, FUSE, PREP, pflag_ptr, sync_ptr + 2, timeout_ns)
-    # every task's counts read or written: the last program to get here clears the sync words
-    tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == n_tasks - 1:
-        for i in range(0, 2 * n_flags, 1024):
-            offs = i + tl.arange(0, 1024)
-            tl.store(flag_ptr + offs, tl.zeros((1024,), dtype=tl.int32), mask=offs < 2 * n_flags)
-        tl.store(sync_ptr, 0)
-        tl.store(sync_ptr + 1, 0)
-
-
 def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
     if t.dim() != 2 or tuple(t.shape) != (rows, cols):
         raise ValueError(f"{name} must have shape [{rows}, {cols}], got {tuple(t.shape)}")
@@ -588,14 +435,8 @@ def _check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
-def gdn_launches(fuse: int = 0, fuse_prep: int = 0) -> list[tuple[str, object]]:
-    """(name, kernel) of the launches gdn_prefill runs with config keys `fuse` / `fuse_prep`,
-    in order (for timing them one by one): prepare, state, output; with fuse the last two as
-    one, with fuse_prep too all three."""
-    if fuse and fuse_prep:
-        return [("prepare+state+output", _gdn_chunk_fused_kernel)]
-    if fuse:
-        return [("prepare", _gdn_chunk_prepare_kernel), ("state+output", _gdn_chunk_fused_kernel)]
+def gdn_launches() -> list[tuple[str, object]]:
+    """(name, kernel) of the launches gdn_prefill runs, in order (for timing them one by one)."""
     return [("prepare", _gdn_chunk_prepare_kernel), ("state", _gdn_chunk_state_kernel),
             ("output", _gdn_chunk_output_kernel)]
 
@@ -680,33 +521,16 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         raise ValueError(f"BV must be a power of two in [16, {dvp}], got {cfg['BV']}")
     if cfg["solve"] not in (1, 2):
         raise ValueError(f"solve must be 1 or 2, got {cfg['solve']}")
-    if not isinstance(cfg.get("fuse", 0), int) or cfg.get("fuse", 0) < 0:
-        raise ValueError(f"fuse must be 0 or a number of chunks, got {cfg.get('fuse')}")
-    if cfg.get("fuse_prep", 0) not in (0, 1) or (cfg.get("fuse_prep", 0) and not cfg.get("fuse", 0)):
-        raise ValueError(f"fuse_prep must be 0, or 1 with fuse > 0, got {cfg.get('fuse_prep')}")
     prec = dot_precision(act)
     t_arg = t_dev if t_dev is not None else state        # never read without T_DEV
     conv = dict(KC=kc, KM1P=next_pow2(kc - 1), T_DEV=t_dev is not None)
     pdl_kw = dict(PDL=pdl, **launch_kw(pdl))
     heads = dict(HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk)
-    fuse, fuse_prep = cfg.get("fuse", 0), cfg.get("fuse_prep", 0)
-    if not fuse_prep:
-        _gdn_chunk_prepare_kernel[(nt, hv)](
-            qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf, kd_buf,
-            T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
-            SOLVE=cfg["solve"], WU_ACT=min(dkp, dvp) >= WU_ACT_MIN_DIM, DOT_PREC=prec,
-            num_warps=cfg["prep_warps"], **conv, **pdl_kw)
-    if fuse:    # one grid of tasks (module docstring), on the output launch's warps
-        sync = _sync_words(dev, 4 + 2 * cdiv(nt, fuse) * hv)
-        _gdn_chunk_fused_kernel[((nt * hv if fuse_prep else 0) + hv * (dvp // bv) + nt * hv,)](
-            qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf,
-            kd_buf, vn_buf, h_buf, state, z, norm_w, out, sync,
-            T, t_pad, nt, hv, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), z.stride(0),
-            out.stride(0), dk ** -0.5, eps, FUSE_TIMEOUT_NS, **heads, BC=SUB_BLOCK, BV=bv,
-            SOLVE=cfg["solve"], WU_ACT=min(dkp, dvp) >= WU_ACT_MIN_DIM, DOT_PREC=prec, FUSE=fuse,
-            PREP=int(fuse_prep), num_warps=cfg["out_warps"], num_stages=cfg["state_stages"],
-            **conv, **pdl_kw)
-        return out
+    _gdn_chunk_prepare_kernel[(nt, hv)](
+        qkv, b, a, conv_w, conv_state, pre, A_log, dt_bias, t_arg, gam, w_buf, u_buf, k_buf, kd_buf,
+        T, t_pad, qkv.stride(0), pre.stride(0), b.stride(0), a.stride(0), **heads, BC=SUB_BLOCK,
+        SOLVE=cfg["solve"], WU_ACT=min(dkp, dvp) >= WU_ACT_MIN_DIM, DOT_PREC=prec,
+        num_warps=cfg["prep_warps"], **conv, **pdl_kw)
     _gdn_chunk_state_kernel[(dvp // bv, hv)](
         w_buf, u_buf, kd_buf, gam, vn_buf, h_buf, state, nt, t_pad,
         DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, BV=bv, DOT_PREC=prec,
@@ -717,25 +541,3 @@ def gdn_prefill(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Te
         HK=hk, GROUP=hv // hk, DK=dk, DV=dv, DKP=dkp, DVP=dvp, CHUNK=chunk, DOT_PREC=prec,
         num_warps=cfg["out_warps"], **conv, **pdl_kw)
     return out
-
-
-# the fused launch's sync words per device (zero between calls; see its kernel), grown by
-# doubling: the first call of a size runs eagerly before a prefill graph captures it
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _sync_words(device: torch.device, n: int) -> torch.Tensor:
-    buf = _SYNC.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gdn_prefill: the fused launch's sync words must be allocated "
-                               "before a CUDA graph captures it (run the size once eagerly)")
-        buf = _SYNC[device] = torch.zeros(max(n, 2 * (buf.numel() if buf is not None else 2048)),
-                                          dtype=torch.int32, device=device)
-    return buf
-
-
-def gdn_sync_error(device) -> bool:
-    """Whether a fused launch on `device` ever gave up waiting (FUSE_TIMEOUT_NS): a bug."""
-    buf = _SYNC.get(torch.device(device))
-    return bool(buf is not None and buf[2].item() != 0)

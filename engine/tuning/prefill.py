@@ -74,10 +74,9 @@ def gemm_grid(quick: bool, T: int, silu_mul: bool, N: int = 0) -> list[dict]:
 
 def gdn_grid(quick: bool) -> list[dict]:
     g = _grid(BV=[16, 32], prep_warps=[4, 8], state_warps=[4], state_stages=[2, 3],
-              out_warps=[4, 8], solve=[1, 2], fuse=[0, 1, 4], fuse_prep=[0, 1])
-    g = [c for c in g if c["fuse"] or not c["fuse_prep"]]
+              out_warps=[4, 8], solve=[1, 2])
     if quick:       # the prepare and output warps apart: 4 / 8 won at 2,048 and 8,192 (H100)
-        g = [c for c in g if (c["state_stages"] == 2 or c["BV"] == 16) and c["fuse"] != 1]
+        g = [c for c in g if c["state_stages"] == 2 or c["BV"] == 16]
     return g
 
 
@@ -238,11 +237,7 @@ def launch_split(kernels, measure) -> list[float]:
 def _gdn_launch_split(bench: Bench, cfg: dict, quick: bool) -> str:
     """Time the GDN launches alone (prepare, state, output) with `cfg` (None: the built-in),
     by running with the later launches removed: differences of cumulative prefixes."""
-    if cfg is None:
-        c = bench.cfg
-        cfg = gdn_mod.gdn_config(c.linear_num_value_heads, c.linear_key_head_dim,
-                                 c.linear_value_head_dim, bench.T, table=None)
-    names, kernels = zip(*gdn_mod.gdn_launches(cfg["fuse"], cfg["fuse_prep"]))
+    names, kernels = zip(*gdn_mod.gdn_launches())
     own = launch_split(kernels, lambda: _time(bench.gdn_fn(cfg), quick))
     return " | ".join(f"{n} {t * 1e3:.1f} us" for n, t in zip(names, own))
 

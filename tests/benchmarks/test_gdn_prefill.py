@@ -55,7 +55,7 @@ def test_gdn_launches_are_the_launches_in_order():
             launched.clear()
             L.reset()
             B.new_fn(mod, L, None, cfg)()
-            assert launched == [k for _, k in mod.gdn_launches(cfg["fuse"], cfg["fuse_prep"])], name
+            assert launched == [k for _, k in mod.gdn_launches()], name
     finally:
         for k, run in zip(kernels, saved):
             k.run = run

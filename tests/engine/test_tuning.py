@@ -75,6 +75,5 @@ def test_tuner_grids_are_launchable_configs():
                 assert g and all(set(c) == set(gemm_mod.GEMM_KEYS) for c in g)
                 assert not silu or all(c["BLOCK_N"] <= 128 for c in g)
             assert all(set(c) == set(flash_attention.ATTN_KEYS) for c in tp.attn_grid(quick, T))
-        assert all(set(c) == set(gdn_chunk.GDN_KEYS) | set(gdn_chunk.GDN_OPTIONAL)
-                   for c in tp.gdn_grid(quick))
+        assert all(set(c) == set(gdn_chunk.GDN_KEYS) for c in tp.gdn_grid(quick))
         assert len(tp.gemm_grid(True, 2048, False)) < len(tp.gemm_grid(False, 2048, False))

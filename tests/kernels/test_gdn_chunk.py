@@ -193,15 +193,9 @@ def test_gdn_config_reads_the_table(tmp_path):
     clear_tuning_cache()
     try:
         builtin = gdn_chunk.gdn_config(4, 24, 40, 2048, None)
-        assert set(builtin) == set(gdn_chunk.GDN_KEYS) | set(gdn_chunk.GDN_OPTIONAL)
-        assert builtin != dict(entry, **gdn_chunk.GDN_OPTIONAL)
-        # an entry without the optional keys takes their defaults; an unknown key voids it
-        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == dict(entry, **gdn_chunk.GDN_OPTIONAL)
+        assert set(builtin) == set(gdn_chunk.GDN_KEYS) and builtin != entry
+        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == entry
         assert gdn_chunk.gdn_config(4, 24, 40, 8192, str(path)) == builtin
-        path.write_text(json.dumps({"version": 1, "configs": {
-            gdn_chunk.gdn_kernel_name(4, 24, 40): {"2048": dict(entry, fuse=4)}}}))
-        clear_tuning_cache()
-        assert gdn_chunk.gdn_config(4, 24, 40, 2048, str(path)) == dict(entry, fuse=4, fuse_prep=0)
     finally:
         clear_tuning_cache()
 
@@ -357,7 +351,7 @@ def _run_pdl(inputs, dims, cfg, pdl, t_dev=None):
     order, each a PDL launch of mode pdl."""
     with launches(gdn_mod) as seen:
         got = _run(gdn_prefill, inputs, dims, config=cfg, t_dev=t_dev, pdl=pdl)
-    assert [k for k, _, _ in seen] == [k.fn.__name__ for _, k in gdn_launches(cfg.get("fuse", 0), cfg.get("fuse_prep", 0))]
+    assert [k for k, _, _ in seen] == [k.fn.__name__ for _, k in gdn_launches()]
     assert all(mode == pdl and asked == bool(pdl) for _, mode, asked in seen), seen
     return got
 
@@ -376,44 +370,6 @@ def test_gdn_pdl_modes_give_the_same_bits(pdl, t, solve):
     for bad in (3, -1):
         with pytest.raises(ValueError):
             _run(gdn_prefill, inputs, SMALL, pdl=bad)
-
-
-def _sync_clear():
-    buf = gdn_mod._SYNC.get(torch.device(DEVICE))
-    return buf is None or (not buf[:2].any() and not buf[4:].any())
-
-
-@pytest.mark.parametrize("T,t", [(1, None), (63, None), (64, None), (65, None), (130, None),
-                                 (130, 70), pytest.param(200, 3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("fuse,prep", [(1, 0), (2, 0), (4, 0), (1, 1), (4, 1)])
-def test_gdn_fused_launch_gives_the_same_bits(T, t, fuse, prep):
-    """fuse = G: the state pass and the output (prep: and the prepare) as one launch of
-    tickets, each stage's tasks released every G chunks, leaves the bits of the three launches,
-    padded or not, grouped value heads; its sync words are zero again after the call and no task
-    gave up waiting."""
-    inputs = _inputs(T, SMALL, torch.float32, seed=T + fuse)
-    t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
-    want = _run(gdn_prefill, inputs, SMALL, config=_BASE_CFG, t_dev=t_dev)
-    for _ in range(2):          # the second call starts from the words the first one cleared
-        got = _run_pdl(inputs, SMALL, dict(_BASE_CFG, fuse=fuse, fuse_prep=prep), 0, t_dev)
-        for x, w in zip(got, want):
-            assert torch.equal(x, w)
-        assert _sync_clear() and not gdn_mod.gdn_sync_error(DEVICE)
-
-
-def test_gdn_fused_half_and_padded_bv():
-    """The fused launch in fp16 with a 32-wide V tile (fewer state tasks), against the three
-    launches; a negative fuse, and a fuse_prep other than 0 / 1 or without fuse, are refused."""
-    inputs = _inputs(130, SMALL, torch.float16, seed=5)
-    cfg = dict(_BASE_CFG, BV=32)
-    want = _run(gdn_prefill, inputs, SMALL, config=cfg)
-    for prep in (0, 1):
-        got = _run(gdn_prefill, inputs, SMALL, config=dict(cfg, fuse=2, fuse_prep=prep))
-        for x, w in zip(got, want):
-            assert torch.equal(x, w)
-    for bad in (dict(fuse=-1), dict(fuse=2, fuse_prep=2), dict(fuse=0, fuse_prep=1)):
-        with pytest.raises(ValueError):
-            _run(gdn_prefill, inputs, SMALL, config=dict(cfg, **bad))
 
 
 # ------------------------------------------------------------------------------------------
@@ -494,24 +450,3 @@ def test_gdn_pdl_true_shape_bf16_gives_the_same_bits(T, t, solve):
     for _ in range(2):
         for x, w in zip(_run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev, pdl=pdl), want):
             assert torch.equal(x, w)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prep", [0, 1])
-@pytest.mark.parametrize("T,t,fuse", [(2048, None, 4), (2048, 1500, 1), (130, 100, 4), (32768, None, 4)])
-def test_gdn_fused_true_shape_bf16_gives_the_same_bits(T, t, fuse, prep):
-    """On the device, where the state and output tasks really run side by side: the fused
-    launch leaves the bits of the three launches (padded and not, with PDL), its sync words
-    clear, no task timed out."""
-    pdl = pdl_mode(True, False, DEVICE)
-    cfg = dict(_BASE_CFG, BV=16)
-    t_dev = None if t is None else torch.tensor([t], dtype=torch.int32, device=DEVICE)
-    inputs = _inputs(T, TRUE, torch.bfloat16, seed=T + 1)
-    want = _run(gdn_prefill, inputs, TRUE, config=cfg, t_dev=t_dev)
-    for _ in range(3):
-        got = _run(gdn_prefill, inputs, TRUE, config=dict(cfg, fuse=fuse, fuse_prep=prep), t_dev=t_dev,
-                   pdl=pdl)
-        torch.cuda.synchronize()
-        for x, w in zip(got, want):
-            assert torch.equal(x, w)
-        assert _sync_clear() and not gdn_mod.gdn_sync_error(DEVICE)
